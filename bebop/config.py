@@ -1,0 +1,317 @@
+"""Typed, validated run configuration.
+
+Config files (`configs/*.py`) build an `ml_collections.ConfigDict` with `get_config(arg)`. This module
+is the only library code that sees a ConfigDict: `load()` applies the sweep entry and the command-line
+overrides to it, then converts it once into the frozen dataclasses below. Every library function
+takes those dataclasses. An unknown key or an out-of-range value raises `ConfigError` naming the key.
+"""
+
+from __future__ import annotations
+
+import ast
+import dataclasses
+import importlib.util
+import json
+import types
+import typing
+from collections.abc import Sequence
+from pathlib import Path
+
+import ml_collections
+
+
+class ConfigError(ValueError):
+    """A config value or key is invalid; the message names the key."""
+
+
+def _require(ok: bool, key: str, msg: str) -> None:
+    if not ok:
+        raise ConfigError(f"config key '{key}': {msg}")
+
+
+def _positive(obj, prefix: str, *names: str) -> None:
+    for n in names:
+        _require(getattr(obj, n) > 0, f"{prefix}{n}", f"must be > 0, got {getattr(obj, n)!r}")
+
+
+@dataclasses.dataclass(frozen=True)
+class ModelConfig:
+    """Qwen2/Qwen3/Llama-family decoder. See `bebop/model.py`."""
+
+    vocab_size: int = 32
+    dim: int = 128
+    num_layers: int = 2
+    num_heads: int = 4
+    num_kv_heads: int = 2
+    head_dim: int = 32
+    ffw_dim: int = 384
+    rope_theta: float = 10000.0
+    norm_eps: float = 1e-6
+    qkv_bias: bool = False  # Qwen2
+    qk_norm: bool = False  # Qwen3
+    tie_embeddings: bool = True
+    dtype: str = "float32"  # activations and parameters; logits and softmax are always float32
+    scan_layers: bool = False  # lax.scan over layers (fast compile) vs Python-unrolled (fast run)
+    init_std: float = 0.02
+
+    def validate(self, p: str = "model.") -> None:
+        _positive(self, p, "vocab_size", "dim", "num_layers", "num_heads", "num_kv_heads")
+        _positive(self, p, "head_dim", "ffw_dim", "rope_theta", "norm_eps")
+        _require(
+            self.num_heads % self.num_kv_heads == 0,
+            f"{p}num_kv_heads",
+            f"num_heads={self.num_heads} is not divisible by num_kv_heads={self.num_kv_heads}",
+        )
+        _require(self.head_dim % 2 == 0, f"{p}head_dim", "must be even for RoPE")
+        _require(self.dtype in ("float32", "bfloat16"), f"{p}dtype", f"unsupported {self.dtype!r}")
+
+
+@dataclasses.dataclass(frozen=True)
+class MeshConfig:
+    """Device mesh axes; -1 means 'all remaining devices' (at most one axis may say so)."""
+
+    data: int = -1
+    fsdp: int = 1
+    tensor: int = 1
+
+    def validate(self, p: str = "mesh.") -> None:
+        sizes = {"data": self.data, "fsdp": self.fsdp, "tensor": self.tensor}
+        for k, v in sizes.items():
+            _require(v == -1 or v >= 1, p + k, f"must be -1 or >= 1, got {v}")
+        _require(list(sizes.values()).count(-1) <= 1, p + "data", "at most one axis may be -1")
+
+
+@dataclasses.dataclass(frozen=True)
+class OptimConfig:
+    """AdamW with linear warmup then a decay schedule, and global-norm gradient clipping."""
+
+    lr: float = 1e-3
+    warmup_steps: int = 20
+    schedule: str = "cosine"  # cosine | linear | constant
+    min_lr_ratio: float = 0.1
+    weight_decay: float = 0.01
+    b1: float = 0.9
+    b2: float = 0.95
+    grad_clip: float = 1.0
+
+    def validate(self, p: str) -> None:
+        _positive(self, p, "lr", "grad_clip")
+        _require(self.warmup_steps >= 0, p + "warmup_steps", "must be >= 0")
+        _require(self.schedule in ("cosine", "linear", "constant"), p + "schedule", "unknown")
+        _require(0.0 <= self.min_lr_ratio <= 1.0, p + "min_lr_ratio", "must be in [0, 1]")
+        _require(self.weight_decay >= 0, p + "weight_decay", "must be >= 0")
+
+
+@dataclasses.dataclass(frozen=True)
+class TaskConfig:
+    """Synthetic verifiable task (see `bebop/rl/tasks.py`)."""
+
+    name: str = "arithmetic"
+    digits: int = 2  # difficulty knob: operands have 1..digits digits
+    noise: float = 0.05  # fraction of SFT examples whose final answer is corrupted
+
+    def validate(self, p: str = "task.") -> None:
+        _require(self.name in ("arithmetic",), p + "name", f"unknown task {self.name!r}")
+        _require(1 <= self.digits <= 6, p + "digits", "must be in [1, 6]")
+        _require(0.0 <= self.noise < 1.0, p + "noise", "must be in [0, 1)")
+
+
+@dataclasses.dataclass(frozen=True)
+class SFTConfig:
+    steps: int = 300
+    batch_size: int = 64
+    seq_len: int = 48
+    log_every: int = 10
+    eval_samples: int = 256  # held-out prompts for the greedy task-accuracy evaluation
+    optim: OptimConfig = OptimConfig()
+
+    def validate(self, p: str = "sft.") -> None:
+        _positive(self, p, "steps", "batch_size", "seq_len", "log_every", "eval_samples")
+        self.optim.validate(p + "optim.")
+
+
+@dataclasses.dataclass(frozen=True)
+class CheckpointConfig:
+    every: int = 100
+    keep: int = 2
+    async_save: bool = True
+
+    def validate(self, p: str = "ckpt.") -> None:
+        _positive(self, p, "every", "keep")
+
+
+@dataclasses.dataclass(frozen=True)
+class DistributedConfig:
+    """Multi-process start. Empty address and num_processes=1 means single process, unless the
+    environment (e.g. a TPU pod or SLURM) lets `jax.distributed.initialize()` discover it and
+    `auto` is set."""
+
+    coordinator_address: str = ""
+    num_processes: int = 1
+    process_id: int = 0
+    auto: bool = False
+
+    def validate(self, p: str = "distributed.") -> None:
+        _positive(self, p, "num_processes")
+        _require(0 <= self.process_id < self.num_processes, p + "process_id", "out of range")
+
+
+STAGES = ("sft",)
+
+
+@dataclasses.dataclass(frozen=True)
+class RunConfig:
+    seed: int = 0
+    stages: tuple[str, ...] = ("sft",)
+    max_nonfinite: int = 5  # stop after this many consecutive skipped (non-finite) updates
+    tensorboard: bool = False
+    model: ModelConfig = ModelConfig()
+    mesh: MeshConfig = MeshConfig()
+    task: TaskConfig = TaskConfig()
+    sft: SFTConfig = SFTConfig()
+    ckpt: CheckpointConfig = CheckpointConfig()
+    distributed: DistributedConfig = DistributedConfig()
+
+    def validate(self) -> None:
+        for s in self.stages:
+            _require(s in STAGES, "stages", f"unknown stage {s!r}; known: {STAGES}")
+        _positive(self, "", "max_nonfinite")
+        for f in dataclasses.fields(self):
+            v = getattr(self, f.name)
+            if dataclasses.is_dataclass(v):
+                v.validate(f.name + ".")
+
+
+# ----------------------------------------------------------------------------- conversion
+
+
+def _coerce(value, tp, key: str):
+    origin = typing.get_origin(tp)
+    if origin in (tuple, Sequence):
+        _require(isinstance(value, (list, tuple)), key, f"expected a sequence, got {value!r}")
+        (elem,) = {a for a in typing.get_args(tp) if a is not Ellipsis}
+        return tuple(_coerce(v, elem, key) for v in value)
+    if origin in (typing.Union, types.UnionType):
+        return value
+    if tp is bool:
+        _require(isinstance(value, bool), key, f"expected a bool, got {value!r}")
+        return value
+    if tp is int:
+        _require(isinstance(value, int) and not isinstance(value, bool), key, f"expected int: {value!r}")
+        return value
+    if tp is float:
+        _require(isinstance(value, (int, float)) and not isinstance(value, bool), key, "expected float")
+        return float(value)
+    if tp is str:
+        _require(isinstance(value, str), key, f"expected a string, got {value!r}")
+        return value
+    return value
+
+
+def from_dict(cls, d, prefix: str = ""):
+    """Builds dataclass `cls` from a (nested) mapping; unknown keys are errors naming the key."""
+    if isinstance(d, ml_collections.ConfigDict):
+        d = d.to_dict()
+    hints = typing.get_type_hints(cls)
+    names = {f.name for f in dataclasses.fields(cls)}
+    for k in d:
+        if k not in names:
+            raise ConfigError(f"unknown config key '{prefix}{k}' (known: {sorted(names)})")
+    kwargs = {}
+    for k, v in d.items():
+        tp = hints[k]
+        if dataclasses.is_dataclass(tp):
+            _require(isinstance(v, dict), prefix + k, "expected a nested config")
+            kwargs[k] = from_dict(tp, v, prefix + k + ".")
+        else:
+            kwargs[k] = _coerce(v, tp, prefix + k)
+    return cls(**kwargs)
+
+
+def to_dict(cfg) -> dict:
+    return dataclasses.asdict(cfg)
+
+
+def parse_arg(arg: str | None, **defaults):
+    """Parses the `:arg` of `--config file.py:arg` ('runlocal,digits=3') into a namespace.
+
+    Bare words are boolean flags; `k=v` values are Python literals when they parse as such.
+    Unknown names are errors, so a typo cannot silently fall back to a default.
+    """
+    out = dict(defaults)
+    for item in filter(None, (arg or "").split(",")):
+        k, sep, v = item.partition("=")
+        if k not in out:
+            raise ConfigError(f"unknown config arg {k!r}; known: {sorted(out)}")
+        out[k] = _literal(v) if sep else True
+    return types.SimpleNamespace(**out)
+
+
+def _literal(text: str):
+    try:
+        return ast.literal_eval(text)
+    except (ValueError, SyntaxError):
+        return text
+
+
+def set_by_path(cd: ml_collections.ConfigDict, dotted: str, value) -> None:
+    """Sets `a.b.c` in a ConfigDict; a key that does not exist is an error naming it."""
+    *parents, leaf = dotted.split(".")
+    node = cd
+    for i, part in enumerate(parents):
+        if part not in node:
+            raise ConfigError(f"unknown config key '{'.'.join(parents[: i + 1])}'")
+        node = node[part]
+    if leaf not in node:
+        raise ConfigError(f"unknown config key '{dotted}'")
+    old = node[leaf]
+    if isinstance(old, tuple) and isinstance(value, list):
+        value = tuple(value)
+    if isinstance(old, float) and isinstance(value, int) and not isinstance(value, bool):
+        value = float(value)
+    try:
+        node[leaf] = value
+    except (TypeError, ValueError) as e:
+        raise ConfigError(f"config key '{dotted}': cannot set {value!r}: {e}") from e
+
+
+def _load_module(path: str):
+    p = Path(path)
+    if not p.is_file():
+        raise ConfigError(f"config file not found: {path}")
+    spec = importlib.util.spec_from_file_location(f"bebop_config_{p.stem}", p)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    if not hasattr(module, "get_config"):
+        raise ConfigError(f"config file {path} has no get_config(arg)")
+    return module
+
+
+def load(
+    spec: str, overrides: Sequence[str] = (), sweep_index: int | None = None
+) -> tuple[RunConfig, ml_collections.ConfigDict]:
+    """`spec` is 'configs/x.py[:arg]'; overrides are 'a.b=v' strings. Returns (typed, raw)."""
+    path, _, arg = spec.partition(":")
+    module = _load_module(path)
+    cd = module.get_config(arg or None)
+    if sweep_index is not None:
+        sweep = getattr(module, "sweep", None)
+        if sweep is None:
+            raise ConfigError(f"--sweep_index given but {path} defines no sweep()")
+        entries = list(sweep(arg or None))
+        if not 0 <= sweep_index < len(entries):
+            raise ConfigError(f"--sweep_index={sweep_index} out of range: {len(entries)} entries")
+        for k, v in entries[sweep_index].items():
+            set_by_path(cd, k, v)
+    for ov in overrides:
+        k, sep, v = ov.partition("=")
+        if not sep:
+            raise ConfigError(f"override {ov!r} must look like key=value")
+        set_by_path(cd, k, _literal(v))
+    cfg = from_dict(RunConfig, cd)
+    cfg.validate()
+    return cfg, cd
+
+
+def dump(cfg: RunConfig, path: Path) -> None:
+    path.write_text(json.dumps(to_dict(cfg), indent=2, sort_keys=True))

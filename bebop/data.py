@@ -1,0 +1,57 @@
+"""grain pipelines.
+
+The SFT stream is a random-access synthetic source (example `i` is a pure function of the seed and
+`i`), batched by grain; the iterator's state (`{"next_index": ...}`) goes into every checkpoint so a
+resumed run continues with exactly the batches it would have seen.
+"""
+
+from __future__ import annotations
+
+import grain
+import numpy as np
+
+from bebop.config import TaskConfig
+from bebop.rl import tasks
+from bebop.tokenizer import CharTokenizer
+
+EVAL_SEED_OFFSET = 1_000_003  # held-out prompts come from a different stream than training data
+
+
+class SFTSource:
+    """Example i: `<bos> prompt response <eos>` right-padded to `seq_len + 1` tokens, with a mask
+    over the targets that belong to the response (the loss ignores prompt and padding)."""
+
+    def __init__(self, task: TaskConfig, tok: CharTokenizer, seq_len: int, seed: int):
+        self.task, self.tok, self.seq_len, self.seed = task, tok, seq_len, seed
+
+    def __len__(self) -> int:
+        return 2**31 - 1
+
+    def __getitem__(self, index: int) -> dict[str, np.ndarray]:
+        rng = np.random.default_rng([self.seed, index])
+        prob = tasks.make_problem(rng, self.task.digits)
+        solution = prob.solution
+        if rng.random() < self.task.noise:
+            solution = tasks.corrupt_answer(rng, solution)
+        prompt = self.tok.encode(prob.prompt, bos=True)
+        response = self.tok.encode(solution) + [self.tok.eos_id]
+        ids = prompt + response
+        if len(ids) > self.seq_len + 1:
+            raise ValueError(
+                f"sft.seq_len={self.seq_len} is too short for a {len(ids)}-token example "
+                f"(task.digits={self.task.digits})"
+            )
+        tokens = np.full(self.seq_len + 1, self.tok.pad_id, np.int32)
+        tokens[: len(ids)] = ids
+        mask = np.zeros(self.seq_len, np.float32)  # mask[t] weighs the target tokens[t + 1]
+        mask[len(prompt) - 1 : len(ids) - 1] = 1.0
+        return {"tokens": tokens, "mask": mask}
+
+
+def sft_dataset(task: TaskConfig, tok: CharTokenizer, seq_len: int, batch: int, seed: int):
+    source = SFTSource(task, tok, seq_len, seed)
+    return grain.MapDataset.source(source).batch(batch, drop_remainder=True)
+
+
+def eval_problems(task: TaskConfig, seed: int, n: int) -> list[tasks.Problem]:
+    return [tasks.problem_at(task, seed + EVAL_SEED_OFFSET, i) for i in range(n)]

@@ -1,0 +1,265 @@
+"""Qwen2 / Qwen3 / Llama-family decoder-only policy (Flax NNX) and its pure jitted entry points.
+
+Glossary for shape suffixes (used across bebop):
+  B batch, T time (tokens in this call), S cache length, D model dim, H query heads, K kv heads,
+  G query heads per kv head (H / K), Dh head dim, F feed-forward dim, V vocab, L layers,
+  Y draft steps (γ in the papers).
+
+Pieces: RMSNorm; RoPE (rotate-half layout, as in HF); grouped-query attention with optional qkv bias
+(Qwen2) and q/k RMSNorm (Qwen3); SwiGLU MLP; tied or untied output head. Layers are stored stacked
+(`[L, ...]` leading axis) so one parameter layout serves both the Python-unrolled and the `lax.scan`
+layer loop (`ModelConfig.scan_layers`).
+
+Entry points take the graph definition (static) and the parameter state split once with `nnx.split`:
+  forward(graphdef, params, tokens_BxT, positions_BxT) -> (logits_BxTxV, hidden_BxTxD)
+  extend(graphdef, params, cache, tokens_BxT, num_new_B=None) -> (logits, hidden, cache)
+  prefill(graphdef, params, tokens_BxT, lengths_B, max_len) -> (logits, hidden, cache)
+`hidden` is the last decoder layer's output before the final norm (what an MTP layer consumes);
+`logits_from_hidden` applies final norm + head. Logits are float32.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+from flax import nnx
+
+from bebop import kvcache
+from bebop.config import ModelConfig
+from bebop.kvcache import KVCache
+
+DTYPES = {"float32": jnp.float32, "bfloat16": jnp.bfloat16}
+
+
+def _param(rngs: nnx.Rngs, shape, axes, std, dtype):
+    return nnx.Param((std * jax.random.normal(rngs.params(), shape)).astype(dtype), axes=axes)
+
+
+class RMSNorm(nnx.Module):
+    def __init__(self, dim: int, eps: float, dtype=jnp.float32):
+        self.scale = nnx.Param(jnp.ones((dim,), dtype), axes=("norm",))
+        self.eps = eps
+
+    def __call__(self, x):
+        x32 = x.astype(jnp.float32)
+        y = x32 * jax.lax.rsqrt(jnp.mean(x32 * x32, axis=-1, keepdims=True) + self.eps)
+        return (y * self.scale[...].astype(jnp.float32)).astype(x.dtype)
+
+
+def rope(x_BxTxNxDh: jax.Array, positions_BxT: jax.Array, theta: float) -> jax.Array:
+    dh = x_BxTxNxDh.shape[-1]
+    inv_freq = theta ** (-jnp.arange(0, dh, 2, dtype=jnp.float32) / dh)
+    angles_BxTxDh2 = positions_BxT[..., None].astype(jnp.float32) * inv_freq
+    cos = jnp.cos(angles_BxTxDh2)[:, :, None, :]
+    sin = jnp.sin(angles_BxTxDh2)[:, :, None, :]
+    x = x_BxTxNxDh.astype(jnp.float32)
+    x1, x2 = x[..., : dh // 2], x[..., dh // 2 :]
+    out = jnp.concatenate([x1 * cos - x2 * sin, x2 * cos + x1 * sin], axis=-1)
+    return out.astype(x_BxTxNxDh.dtype)
+
+
+def attend(q_BxTxHxDh, k_BxKxSxDh, v_BxKxSxDh, mask_BxTxS):
+    """Grouped-query attention; softmax in float32."""
+    b, t, h, dh = q_BxTxHxDh.shape
+    k_heads = k_BxKxSxDh.shape[1]
+    q_BxKxGxTxDh = q_BxTxHxDh.reshape(b, t, k_heads, h // k_heads, dh).transpose(0, 2, 3, 1, 4)
+    scores = jnp.einsum("bkgtd,bksd->bkgts", q_BxKxGxTxDh, k_BxKxSxDh).astype(jnp.float32)
+    scores = scores * (dh**-0.5)
+    scores = jnp.where(mask_BxTxS[:, None, None], scores, -1e30)
+    probs = jax.nn.softmax(scores, axis=-1).astype(v_BxKxSxDh.dtype)
+    out_BxKxGxTxDh = jnp.einsum("bkgts,bksd->bkgtd", probs, v_BxKxSxDh)
+    return out_BxKxGxTxDh.transpose(0, 3, 1, 2, 4).reshape(b, t, h, dh)
+
+
+class Attention(nnx.Module):
+    def __init__(self, cfg: ModelConfig, rngs: nnx.Rngs):
+        d, h, k, dh = cfg.dim, cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
+        dt, std = DTYPES[cfg.dtype], cfg.init_std
+        self.cfg = cfg
+        self.wq = _param(rngs, (d, h, dh), ("embed", "heads", "head_dim"), std, dt)
+        self.wk = _param(rngs, (d, k, dh), ("embed", "kv_heads", "head_dim"), std, dt)
+        self.wv = _param(rngs, (d, k, dh), ("embed", "kv_heads", "head_dim"), std, dt)
+        self.wo = _param(rngs, (h, dh, d), ("heads", "head_dim", "embed"), std, dt)
+        if cfg.qkv_bias:
+            self.bq = nnx.Param(jnp.zeros((h, dh), dt), axes=("heads", "head_dim"))
+            self.bk = nnx.Param(jnp.zeros((k, dh), dt), axes=("kv_heads", "head_dim"))
+            self.bv = nnx.Param(jnp.zeros((k, dh), dt), axes=("kv_heads", "head_dim"))
+        if cfg.qk_norm:
+            self.q_norm = RMSNorm(dh, cfg.norm_eps, dt)
+            self.k_norm = RMSNorm(dh, cfg.norm_eps, dt)
+
+    def __call__(self, x_BxTxD, positions_BxT, kv=None, offsets_B=None):
+        """Without `kv`: causal attention over the T tokens (by position). With `kv` (this layer's
+        `(k, v)` cache `[B, K, S, Dh]`): writes the T new entries at `offsets_B` and attends to
+        every cache slot at or before each query's position. Returns (out, new kv or None)."""
+        cfg = self.cfg
+        q = jnp.einsum("btd,dhe->bthe", x_BxTxD, self.wq[...])
+        k = jnp.einsum("btd,dke->btke", x_BxTxD, self.wk[...])
+        v = jnp.einsum("btd,dke->btke", x_BxTxD, self.wv[...])
+        if cfg.qkv_bias:
+            q, k, v = q + self.bq[...], k + self.bk[...], v + self.bv[...]
+        if cfg.qk_norm:
+            q, k = self.q_norm(q), self.k_norm(k)
+        q = rope(q, positions_BxT, cfg.rope_theta)
+        k_BxKxTxDh = rope(k, positions_BxT, cfg.rope_theta).transpose(0, 2, 1, 3)
+        v_BxKxTxDh = v.transpose(0, 2, 1, 3)
+        if kv is None:
+            keys, values, key_pos_BxS = k_BxKxTxDh, v_BxKxTxDh, positions_BxT
+            new_kv = None
+        else:
+            keys = kvcache.write(kv[0], k_BxKxTxDh, offsets_B)
+            values = kvcache.write(kv[1], v_BxKxTxDh, offsets_B)
+            key_pos_BxS = jnp.broadcast_to(jnp.arange(keys.shape[2]), (keys.shape[0], keys.shape[2]))
+            new_kv = (keys, values)
+        mask_BxTxS = key_pos_BxS[:, None, :] <= positions_BxT[:, :, None]
+        out_BxTxHxDh = attend(q, keys, values, mask_BxTxS)
+        return jnp.einsum("bthe,hed->btd", out_BxTxHxDh, self.wo[...]), new_kv
+
+
+class MLP(nnx.Module):
+    def __init__(self, cfg: ModelConfig, rngs: nnx.Rngs):
+        d, f, dt, std = cfg.dim, cfg.ffw_dim, DTYPES[cfg.dtype], cfg.init_std
+        self.w_gate = _param(rngs, (d, f), ("embed", "mlp"), std, dt)
+        self.w_up = _param(rngs, (d, f), ("embed", "mlp"), std, dt)
+        self.w_down = _param(rngs, (f, d), ("mlp", "embed"), std, dt)
+
+    def __call__(self, x_BxTxD):
+        gate_BxTxF = jax.nn.silu(x_BxTxD @ self.w_gate[...])
+        return (gate_BxTxF * (x_BxTxD @ self.w_up[...])) @ self.w_down[...]
+
+
+class Block(nnx.Module):
+    """Pre-norm decoder block: x + attn(norm(x)), then x + mlp(norm(x))."""
+
+    def __init__(self, cfg: ModelConfig, rngs: nnx.Rngs):
+        dt = DTYPES[cfg.dtype]
+        self.attn_norm = RMSNorm(cfg.dim, cfg.norm_eps, dt)
+        self.attn = Attention(cfg, rngs)
+        self.mlp_norm = RMSNorm(cfg.dim, cfg.norm_eps, dt)
+        self.mlp = MLP(cfg, rngs)
+
+    def __call__(self, x_BxTxD, positions_BxT, kv=None, offsets_B=None):
+        h, new_kv = self.attn(self.attn_norm(x_BxTxD), positions_BxT, kv, offsets_B)
+        x_BxTxD = x_BxTxD + h
+        return x_BxTxD + self.mlp(self.mlp_norm(x_BxTxD)), new_kv
+
+
+def stacked_blocks(cfg: ModelConfig, num: int, rngs: nnx.Rngs) -> Block:
+    """`num` Blocks whose parameters are stacked on a leading 'layers' axis."""
+    graphdef, first = nnx.split(Block(cfg, rngs))
+    states = [first] + [nnx.split(Block(cfg, rngs))[1] for _ in range(num - 1)]
+    is_var = lambda x: isinstance(x, nnx.Variable)  # noqa: E731
+
+    def stack(*vs):
+        axes = ("layers",) + tuple(getattr(vs[0], "axes", ()) or ())
+        return vs[0].replace(value=jnp.stack([v.value for v in vs]), axes=axes)
+
+    return nnx.merge(graphdef, jax.tree.map(stack, *states, is_leaf=is_var))
+
+
+def run_blocks(blocks: Block, x_BxTxD, positions_BxT, kv=None, offsets_B=None, scan=False):
+    """Applies stacked blocks in order. `kv` is `(k, v)` each `[L, B, K, S, Dh]` or None."""
+    graphdef, state = nnx.split(blocks)
+    num = jax.tree.leaves(state)[0].shape[0]
+
+    def layer(x, layer_state, layer_kv):
+        return nnx.merge(graphdef, layer_state)(x, positions_BxT, layer_kv, offsets_B)
+
+    if scan:
+
+        def body(x, xs):
+            return layer(x, *xs)
+
+        return jax.lax.scan(body, x_BxTxD, (state, kv))
+    new_k, new_v = (kv[0], kv[1]) if kv is not None else (None, None)
+    for i in range(num):
+        layer_kv = None if kv is None else (kv[0][i], kv[1][i])
+        x_BxTxD, out_kv = layer(x_BxTxD, jax.tree.map(lambda a, i=i: a[i], state), layer_kv)
+        if kv is not None:
+            # In-place under donation: XLA lowers .at[i].set to a dynamic-update-slice.
+            new_k, new_v = new_k.at[i].set(out_kv[0]), new_v.at[i].set(out_kv[1])
+    return x_BxTxD, (None if kv is None else (new_k, new_v))
+
+
+class Policy(nnx.Module):
+    def __init__(self, cfg: ModelConfig, rngs: nnx.Rngs):
+        dt = DTYPES[cfg.dtype]
+        self.cfg = cfg
+        self.embed = _param(rngs, (cfg.vocab_size, cfg.dim), ("vocab", "embed"), cfg.init_std, dt)
+        self.layers = stacked_blocks(cfg, cfg.num_layers, rngs)
+        self.final_norm = RMSNorm(cfg.dim, cfg.norm_eps, dt)
+        if not cfg.tie_embeddings:
+            self.lm_head = _param(
+                rngs, (cfg.dim, cfg.vocab_size), ("embed", "vocab"), cfg.init_std, dt
+            )
+
+    def head(self, x_BxTxD) -> jax.Array:
+        """Output projection only (no norm), float32; shared with the MTP layer."""
+        x32 = x_BxTxD.astype(jnp.float32)
+        if self.cfg.tie_embeddings:
+            return jnp.einsum("btd,vd->btv", x32, self.embed[...].astype(jnp.float32))
+        return jnp.einsum("btd,dv->btv", x32, self.lm_head[...].astype(jnp.float32))
+
+    def logits_from_hidden(self, hidden_BxTxD) -> jax.Array:
+        return self.head(self.final_norm(hidden_BxTxD))
+
+    def embed_tokens(self, tokens_BxT) -> jax.Array:
+        return jnp.take(self.embed[...], tokens_BxT, axis=0)
+
+    def __call__(self, tokens_BxT, positions_BxT, cache: KVCache | None = None):
+        x_BxTxD = self.embed_tokens(tokens_BxT)
+        kv = None if cache is None else (cache.k, cache.v)
+        offsets_B = None if cache is None else cache.lengths
+        hidden_BxTxD, new_kv = run_blocks(
+            self.layers, x_BxTxD, positions_BxT, kv, offsets_B, self.cfg.scan_layers
+        )
+        logits_BxTxV = self.logits_from_hidden(hidden_BxTxD)
+        new_cache = None if cache is None else cache.replace(k=new_kv[0], v=new_kv[1])
+        return logits_BxTxV, hidden_BxTxD, new_cache
+
+
+# ----------------------------------------------------------------------------- pure entry points
+
+
+def init(cfg: ModelConfig, seed: int):
+    """Returns (graphdef, params) of a freshly initialised policy."""
+    return nnx.split(Policy(cfg, nnx.Rngs(params=seed)))
+
+
+def abstract(cfg: ModelConfig):
+    """(graphdef, params as ShapeDtypeStructs) without allocating weights."""
+    return nnx.split(nnx.eval_shape(lambda: Policy(cfg, nnx.Rngs(params=0))))
+
+
+def forward(graphdef, params, tokens_BxT, positions_BxT):
+    logits, hidden, _ = nnx.merge(graphdef, params)(tokens_BxT, positions_BxT)
+    return logits, hidden
+
+
+def extend(graphdef, params, cache: KVCache, tokens_BxT, num_new_B=None):
+    """Runs T new tokens per row at each row's offset; lengths advance by `num_new_B` (default T)."""
+    positions_BxT = cache.positions(tokens_BxT.shape[1])
+    logits, hidden, cache = nnx.merge(graphdef, params)(tokens_BxT, positions_BxT, cache)
+    if num_new_B is None:
+        num_new_B = jnp.full(cache.lengths.shape, tokens_BxT.shape[1], jnp.int32)
+    return logits, hidden, cache.advance(num_new_B)
+
+
+def new_cache(cfg: ModelConfig, batch: int, max_len: int) -> KVCache:
+    return KVCache.init(
+        cfg.num_layers, batch, cfg.num_kv_heads, max_len, cfg.head_dim, DTYPES[cfg.dtype]
+    )
+
+
+def prefill(graphdef, params, tokens_BxT, lengths_B, max_len: int):
+    """Right-padded prompts: writes all T slots, keeps `lengths_B` of them (pads get overwritten)."""
+    cache = new_cache(graphdef_config(graphdef, params), tokens_BxT.shape[0], max_len)
+    return extend(graphdef, params, cache, tokens_BxT, lengths_B)
+
+
+def graphdef_config(graphdef, params) -> ModelConfig:
+    return nnx.merge(graphdef, params).cfg
+
+
+def num_params(params) -> int:
+    return sum(x.size for x in jax.tree.leaves(params))

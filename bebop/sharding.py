@@ -1,0 +1,119 @@
+"""Device mesh, logical-axis rules and placement helpers.
+
+Every weight declares logical axes (`nnx.Param(..., axes=("embed", "mlp"))`); one table maps them to
+the mesh axes `data`, `fsdp`, `tensor`. A dimension that the mapped mesh axes do not divide is
+replicated instead (e.g. 3 kv heads on a tensor axis of 2): correctness never depends on the table.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Mapping
+
+import jax
+import numpy as np
+from flax import nnx
+from jax.sharding import Mesh, NamedSharding, PartitionSpec
+
+from bebop.config import ConfigError, MeshConfig
+
+MESH_AXES = ("data", "fsdp", "tensor")
+
+# Logical axis -> mesh axes. Activations use "batch"; weights the rest.
+RULES: Mapping[str, tuple[str, ...] | None] = {
+    "batch": ("data", "fsdp"),
+    "vocab": ("tensor",),
+    "embed": ("fsdp",),
+    "heads": ("tensor",),
+    "kv_heads": ("tensor",),
+    "mlp": ("tensor",),
+    "head_dim": None,
+    "layers": None,
+    "norm": None,
+    "seq": None,
+}
+
+
+def mesh_shape(cfg: MeshConfig, num_devices: int) -> tuple[int, int, int]:
+    sizes = [cfg.data, cfg.fsdp, cfg.tensor]
+    known = math.prod(s for s in sizes if s != -1)
+    if -1 in sizes:
+        if num_devices % known:
+            raise ConfigError(
+                f"config key 'mesh': fixed axes multiply to {known}, which does not divide the "
+                f"{num_devices} devices"
+            )
+        sizes[sizes.index(-1)] = num_devices // known
+    if math.prod(sizes) != num_devices:
+        raise ConfigError(
+            f"config key 'mesh': data*fsdp*tensor = {math.prod(sizes)} but there are "
+            f"{num_devices} devices ({dict(zip(MESH_AXES, sizes, strict=True))})"
+        )
+    return tuple(sizes)
+
+
+def make_mesh(cfg: MeshConfig, devices=None) -> Mesh:
+    devices = jax.devices() if devices is None else devices
+    shape = mesh_shape(cfg, len(devices))
+    return Mesh(np.asarray(devices).reshape(shape), MESH_AXES)
+
+
+def spec_for(axes: tuple[str | None, ...], shape: tuple[int, ...], mesh: Mesh, rules=RULES):
+    """PartitionSpec for an array of `shape` with logical `axes`; undivisible dims replicate."""
+    if len(axes) != len(shape):
+        raise ValueError(f"logical axes {axes} do not match shape {shape}")
+    used: set[str] = set()
+    out = []
+    for name, dim in zip(axes, shape, strict=True):
+        mesh_axes = rules.get(name) if name is not None else None
+        if mesh_axes is None and name is not None and name not in rules:
+            raise KeyError(f"logical axis {name!r} has no sharding rule")
+        mesh_axes = tuple(a for a in (mesh_axes or ()) if a not in used and mesh.shape[a] > 1)
+        size = math.prod(mesh.shape[a] for a in mesh_axes)
+        if not mesh_axes or dim % size:
+            out.append(None)
+            continue
+        used.update(mesh_axes)
+        out.append(mesh_axes[0] if len(mesh_axes) == 1 else mesh_axes)
+    return PartitionSpec(*out)
+
+
+def _is_var(x) -> bool:
+    return isinstance(x, nnx.Variable)
+
+
+def state_shardings(state, mesh: Mesh, rules=RULES):
+    """A tree like `state` (an nnx.State of Variables carrying `axes`) holding NamedShardings."""
+
+    def one(v):
+        axes = getattr(v, "axes", None)
+        if axes is None:
+            return NamedSharding(mesh, PartitionSpec())
+        return NamedSharding(mesh, spec_for(tuple(axes), np.shape(v.value), mesh, rules))
+
+    return jax.tree.map(one, state, is_leaf=_is_var)
+
+
+def place_state(state, mesh: Mesh, rules=RULES):
+    """Puts every Variable's value of an nnx.State on the mesh according to its logical axes."""
+    shardings = state_shardings(state, mesh, rules)
+    return jax.tree.map(
+        lambda v, s: v.replace(value=jax.device_put(v.value, s)), state, shardings, is_leaf=_is_var
+    )
+
+
+def batch_sharding(mesh: Mesh, ndim: int, batch_size: int) -> NamedSharding:
+    """Leading axis over (data, fsdp) when it divides, rest replicated."""
+    spec = spec_for(("batch",) + (None,) * (ndim - 1), (batch_size,) + (1,) * (ndim - 1), mesh)
+    return NamedSharding(mesh, spec)
+
+
+def shard_batch(batch, mesh: Mesh):
+    """Places a pytree of host arrays whose leading axis is the batch onto the mesh."""
+    return jax.tree.map(
+        lambda x: jax.device_put(x, batch_sharding(mesh, np.ndim(x), np.shape(x)[0])), batch
+    )
+
+
+def replicated(mesh: Mesh) -> NamedSharding:
+    return NamedSharding(mesh, PartitionSpec())

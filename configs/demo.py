@@ -1,0 +1,64 @@
+"""The embedded default pipeline: a small policy trained from scratch on synthetic arithmetic.
+
+    python launch.py --config configs/demo.py            # full demo
+    python launch.py --config configs/demo.py:runlocal   # CPU smoke run (well under 2 minutes)
+
+Stages: sft (supervised training of the demo policy). Later stages slot in after it.
+"""
+
+import ml_collections
+
+from bebop.config import parse_arg
+from bebop.tokenizer import CharTokenizer
+
+
+def get_config(arg=None):
+    a = parse_arg(arg, runlocal=False, digits=3)
+    c = ml_collections.ConfigDict()
+    c.seed = 0
+    c.stages = ("sft",)
+    c.max_nonfinite = 5
+    c.tensorboard = False
+
+    c.model = dict(
+        vocab_size=CharTokenizer().vocab_size,
+        dim=256,
+        num_layers=4,
+        num_heads=8,
+        num_kv_heads=4,
+        head_dim=32,
+        ffw_dim=768,
+        rope_theta=10000.0,
+        norm_eps=1e-6,
+        qkv_bias=False,
+        qk_norm=True,
+        tie_embeddings=True,
+        dtype="float32",
+        scan_layers=False,
+        init_std=0.02,
+    )
+    c.mesh = dict(data=-1, fsdp=1, tensor=1)
+    c.task = dict(name="arithmetic", digits=a.digits, noise=0.05)
+    c.sft = dict(
+        steps=600,
+        batch_size=64,
+        seq_len=48,
+        log_every=10,
+        eval_samples=512,
+        optim=dict(lr=2e-3, warmup_steps=30, schedule="cosine", min_lr_ratio=0.05,
+                   weight_decay=0.01, b1=0.9, b2=0.95, grad_clip=1.0),
+    )
+    c.ckpt = dict(every=100, keep=2, async_save=True)
+    c.distributed = dict(coordinator_address="", num_processes=1, process_id=0, auto=False)
+
+    if a.runlocal:
+        c.model.update(dim=64, num_layers=2, num_heads=4, num_kv_heads=2, head_dim=16, ffw_dim=192)
+        c.sft.update(steps=150, batch_size=32, eval_samples=128)
+        c.ckpt.every = 50
+    return ml_collections.ConfigDict(c)
+
+
+def sweep(arg=None):
+    """Learning-rate sweep: `--sweep_index i` picks entry i."""
+    del arg
+    return [{"sft.optim.lr": lr} for lr in (1e-3, 2e-3, 4e-3)]
