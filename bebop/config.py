@@ -1,9 +1,10 @@
 """Typed, validated run configuration.
 
-Config files (`configs/*.py`) build an `ml_collections.ConfigDict` with `get_config(arg)`. This module
-is the only library code that sees a ConfigDict: `load()` applies the sweep entry and the command-line
-overrides to it, then converts it once into the frozen dataclasses below. Every library function
-takes those dataclasses. An unknown key or an out-of-range value raises `ConfigError` naming the key.
+Config files (`configs/*.py`) build an `ml_collections.ConfigDict` with `get_config(arg)`. This
+module is the only library code that sees a ConfigDict: `load()` applies the sweep entry and the
+command-line overrides to it, then converts it once into the frozen dataclasses below. Every
+library function takes those dataclasses. An unknown key or an out-of-range value raises
+`ConfigError` naming the key.
 """
 
 from __future__ import annotations
@@ -197,10 +198,14 @@ def _coerce(value, tp, key: str):
         _require(isinstance(value, bool), key, f"expected a bool, got {value!r}")
         return value
     if tp is int:
-        _require(isinstance(value, int) and not isinstance(value, bool), key, f"expected int: {value!r}")
+        _require(
+            isinstance(value, int) and not isinstance(value, bool), key, f"expected int: {value!r}"
+        )
         return value
     if tp is float:
-        _require(isinstance(value, (int, float)) and not isinstance(value, bool), key, "expected float")
+        _require(
+            isinstance(value, (int, float)) and not isinstance(value, bool), key, "expected float"
+        )
         return float(value)
     if tp is str:
         _require(isinstance(value, str), key, f"expected a string, got {value!r}")

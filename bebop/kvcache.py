@@ -3,8 +3,9 @@
 Layout `[L, B, K, S, Dh]` (kv heads before sequence: measured ~8x faster attention on CPU than the
 other order). Row `b` holds valid entries at cache slots `[0, lengths[b])`, and slot `s` holds the
 token at absolute position `s`. A forward over T new tokens writes them at each row's own offset
-`lengths[b]`; rows may then keep a different number of them (`rollback`). Rejected entries are never
-deleted: they sit past the row's length and are overwritten by the next write, so shapes stay static.
+`lengths[b]`; rows may then keep a different number of them (`rollback`). Rejected entries are
+never deleted: they sit past the row's length and are overwritten by the next write, so shapes stay
+static.
 Callers must size `S` for the longest row plus the widest write (e.g. γ+1 for verification):
 `lax.dynamic_update_slice` clamps out-of-range writes instead of failing.
 """

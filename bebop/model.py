@@ -109,7 +109,9 @@ class Attention(nnx.Module):
         else:
             keys = kvcache.write(kv[0], k_BxKxTxDh, offsets_B)
             values = kvcache.write(kv[1], v_BxKxTxDh, offsets_B)
-            key_pos_BxS = jnp.broadcast_to(jnp.arange(keys.shape[2]), (keys.shape[0], keys.shape[2]))
+            key_pos_BxS = jnp.broadcast_to(
+                jnp.arange(keys.shape[2]), (keys.shape[0], keys.shape[2])
+            )
             new_kv = (keys, values)
         mask_BxTxS = key_pos_BxS[:, None, :] <= positions_BxT[:, :, None]
         out_BxTxHxDh = attend(q, keys, values, mask_BxTxS)
@@ -152,7 +154,7 @@ def stacked_blocks(cfg: ModelConfig, num: int, rngs: nnx.Rngs) -> Block:
 
     def stack(*vs):
         axes = ("layers",) + tuple(getattr(vs[0], "axes", ()) or ())
-        return vs[0].replace(value=jnp.stack([v.value for v in vs]), axes=axes)
+        return vs[0].replace(value=jnp.stack([v.get_value() for v in vs]), axes=axes)
 
     return nnx.merge(graphdef, jax.tree.map(stack, *states, is_leaf=is_var))
 
@@ -237,7 +239,7 @@ def forward(graphdef, params, tokens_BxT, positions_BxT):
 
 
 def extend(graphdef, params, cache: KVCache, tokens_BxT, num_new_B=None):
-    """Runs T new tokens per row at each row's offset; lengths advance by `num_new_B` (default T)."""
+    """Runs T new tokens per row at each row's offset; lengths advance by `num_new_B` (or T)."""
     positions_BxT = cache.positions(tokens_BxT.shape[1])
     logits, hidden, cache = nnx.merge(graphdef, params)(tokens_BxT, positions_BxT, cache)
     if num_new_B is None:
@@ -252,7 +254,7 @@ def new_cache(cfg: ModelConfig, batch: int, max_len: int) -> KVCache:
 
 
 def prefill(graphdef, params, tokens_BxT, lengths_B, max_len: int):
-    """Right-padded prompts: writes all T slots, keeps `lengths_B` of them (pads get overwritten)."""
+    """Right-padded prompts: writes T slots, keeps `lengths_B` of them (pads get overwritten)"""
     cache = new_cache(graphdef_config(graphdef, params), tokens_BxT.shape[0], max_len)
     return extend(graphdef, params, cache, tokens_BxT, lengths_B)
 

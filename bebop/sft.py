@@ -1,9 +1,9 @@
 """Stage `sft`: supervised training of the demo policy on the synthetic arithmetic task.
 
-Reads top to bottom: build the policy and optimizer -> resume from the newest good checkpoint (params,
-optimizer, step, RNG, data-iterator state) -> train with a progress bar, logging `metrics.jsonl` and
-checkpointing every `ckpt.every` steps -> final checkpoint -> greedy task accuracy on held-out prompts
--> `summary.json` (whose presence makes a re-run skip the stage).
+Reads top to bottom: build the policy and optimizer -> resume from the newest good checkpoint
+(params, optimizer, step, RNG, data-iterator state) -> train with a progress bar, logging
+`metrics.jsonl` and checkpointing every `ckpt.every` steps -> final checkpoint -> greedy task
+accuracy on held-out prompts -> `summary.json` (whose presence makes a re-run skip the stage).
 """
 
 from __future__ import annotations
@@ -122,13 +122,7 @@ def run(cfg: RunConfig, workdir: Path, mesh, stop_at_step: int | None = None) ->
 def load_policy(cfg: RunConfig, workdir: Path, mesh):
     """(graphdef, params) of the trained SFT policy, for the stages after SFT."""
     graphdef, abstract_params = model.abstract(cfg.model)
-    shardings = sharding.state_shardings(abstract_params, mesh)
-    target = jax.tree.map(
-        lambda v, s: v.replace(value=jax.ShapeDtypeStruct(v.value.shape, v.value.dtype, sharding=s)),
-        abstract_params,
-        shardings,
-        is_leaf=lambda x: hasattr(x, "value"),
-    )
+    target = sharding.abstract_on_mesh(abstract_params, mesh)
     ckpt = Checkpointer(Path(workdir) / "sft" / "ckpt", cfg.ckpt.keep, async_save=False)
     optimizer = make_optimizer(cfg.sft.optim, cfg.sft.steps)
     abstract_state = jax.eval_shape(lambda p: TrainState.create(p, optimizer, cfg.seed), target)

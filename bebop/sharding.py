@@ -89,7 +89,7 @@ def state_shardings(state, mesh: Mesh, rules=RULES):
         axes = getattr(v, "axes", None)
         if axes is None:
             return NamedSharding(mesh, PartitionSpec())
-        return NamedSharding(mesh, spec_for(tuple(axes), np.shape(v.value), mesh, rules))
+        return NamedSharding(mesh, spec_for(tuple(axes), np.shape(v.get_value()), mesh, rules))
 
     return jax.tree.map(one, state, is_leaf=_is_var)
 
@@ -98,8 +98,22 @@ def place_state(state, mesh: Mesh, rules=RULES):
     """Puts every Variable's value of an nnx.State on the mesh according to its logical axes."""
     shardings = state_shardings(state, mesh, rules)
     return jax.tree.map(
-        lambda v, s: v.replace(value=jax.device_put(v.value, s)), state, shardings, is_leaf=_is_var
+        lambda v, s: v.replace(value=jax.device_put(v.get_value(), s)),
+        state,
+        shardings,
+        is_leaf=_is_var,
     )
+
+
+def abstract_on_mesh(abstract_state, mesh: Mesh, rules=RULES):
+    """ShapeDtypeStructs carrying the mesh shardings: a restore target that allocates nothing."""
+    shardings = state_shardings(abstract_state, mesh, rules)
+
+    def one(v, s):
+        x = v.get_value()
+        return v.replace(value=jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=s))
+
+    return jax.tree.map(one, abstract_state, shardings, is_leaf=_is_var)
 
 
 def batch_sharding(mesh: Mesh, ndim: int, batch_size: int) -> NamedSharding:

@@ -75,7 +75,7 @@ def make_train_step(
     def train_step(state: TrainState, batch):
         rng, key = jax.random.split(jax.random.wrap_key_data(state.rng))
         (loss, aux), grads = jax.value_and_grad(loss_fn, has_aux=True)(state.params, batch, key)
-        grad_norm = optax.global_norm(grads)
+        grad_norm = optax.tree.norm(grads)
         ok = jnp.isfinite(loss) & jnp.isfinite(grad_norm)
         updates, opt_state = optimizer.update(grads, state.opt_state, state.params)
         params = optax.apply_updates(state.params, updates)

@@ -27,7 +27,7 @@ def get_config(arg=None):
         num_heads=8,
         num_kv_heads=4,
         head_dim=32,
-        ffw_dim=768,
+        ffw_dim=640,
         rope_theta=10000.0,
         norm_eps=1e-6,
         qkv_bias=False,
@@ -40,21 +40,30 @@ def get_config(arg=None):
     c.mesh = dict(data=-1, fsdp=1, tensor=1)
     c.task = dict(name="arithmetic", digits=a.digits, noise=0.05)
     c.sft = dict(
-        steps=600,
-        batch_size=64,
+        steps=300,
+        batch_size=32,
         seq_len=48,
         log_every=10,
         eval_samples=512,
-        optim=dict(lr=2e-3, warmup_steps=30, schedule="cosine", min_lr_ratio=0.05,
-                   weight_decay=0.01, b1=0.9, b2=0.95, grad_clip=1.0),
+        optim=dict(
+            lr=2e-3,
+            warmup_steps=30,
+            schedule="cosine",
+            min_lr_ratio=0.05,
+            weight_decay=0.01,
+            b1=0.9,
+            b2=0.95,
+            grad_clip=1.0,
+        ),
     )
     c.ckpt = dict(every=100, keep=2, async_save=True)
     c.distributed = dict(coordinator_address="", num_processes=1, process_id=0, auto=False)
 
     if a.runlocal:
         c.model.update(dim=64, num_layers=2, num_heads=4, num_kv_heads=2, head_dim=16, ffw_dim=192)
-        c.sft.update(steps=150, batch_size=32, eval_samples=128)
-        c.ckpt.every = 50
+        c.task.digits = 2
+        c.sft.update(steps=300, batch_size=32, eval_samples=128)
+        c.ckpt.every = 100
     return ml_collections.ConfigDict(c)
 
 

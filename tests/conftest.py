@@ -1,0 +1,31 @@
+"""Test setup: 8 fake CPU devices (set before JAX is imported anywhere)."""
+
+import os
+import sys
+from pathlib import Path
+
+os.environ["XLA_FLAGS"] = (
+    os.environ.get("XLA_FLAGS", "") + " --xla_force_host_platform_device_count=8"
+).strip()
+os.environ.setdefault("JAX_PLATFORMS", "cpu")
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+import jax  # noqa: E402
+import pytest  # noqa: E402
+
+from bebop.config import ModelConfig  # noqa: E402
+
+REPO = Path(__file__).resolve().parents[1]
+
+
+@pytest.fixture(scope="session")
+def tiny_cfg() -> ModelConfig:
+    return ModelConfig(
+        vocab_size=23, dim=32, num_layers=2, num_heads=4, num_kv_heads=2, head_dim=8, ffw_dim=48
+    )
+
+
+@pytest.fixture(scope="session")
+def devices():
+    assert jax.device_count() == 8, "conftest must set 8 fake CPU devices before importing jax"
+    return jax.devices()
