@@ -88,10 +88,11 @@ class Attention(nnx.Module):
             self.q_norm = RMSNorm(dh, cfg.norm_eps, dt)
             self.k_norm = RMSNorm(dh, cfg.norm_eps, dt)
 
-    def __call__(self, x_BxTxD, positions_BxT, kv=None, offsets_B=None):
+    def __call__(self, x_BxTxD, positions_BxT, kv=None, offsets_B=None, valid_BxS=None):
         """Without `kv`: causal attention over the T tokens (by position). With `kv` (this layer's
         `(k, v)` cache `[B, K, S, Dh]`): writes the T new entries at `offsets_B` and attends to
-        every cache slot at or before each query's position. Returns (out, new kv or None)."""
+        every cache slot at or before each query's position (and, if given, marked in
+        `valid_BxS`). Returns (out, new kv or None)."""
         cfg = self.cfg
         q = jnp.einsum("btd,dhe->bthe", x_BxTxD, self.wq[...])
         k = jnp.einsum("btd,dke->btke", x_BxTxD, self.wk[...])
@@ -114,6 +115,8 @@ class Attention(nnx.Module):
             )
             new_kv = (keys, values)
         mask_BxTxS = key_pos_BxS[:, None, :] <= positions_BxT[:, :, None]
+        if valid_BxS is not None:
+            mask_BxTxS = mask_BxTxS & valid_BxS[:, None, :]
         out_BxTxHxDh = attend(q, keys, values, mask_BxTxS)
         return jnp.einsum("bthe,hed->btd", out_BxTxHxDh, self.wo[...]), new_kv
 
@@ -140,16 +143,17 @@ class Block(nnx.Module):
         self.mlp_norm = RMSNorm(cfg.dim, cfg.norm_eps, dt)
         self.mlp = MLP(cfg, rngs)
 
-    def __call__(self, x_BxTxD, positions_BxT, kv=None, offsets_B=None):
-        h, new_kv = self.attn(self.attn_norm(x_BxTxD), positions_BxT, kv, offsets_B)
+    def __call__(self, x_BxTxD, positions_BxT, kv=None, offsets_B=None, valid_BxS=None):
+        h, new_kv = self.attn(self.attn_norm(x_BxTxD), positions_BxT, kv, offsets_B, valid_BxS)
         x_BxTxD = x_BxTxD + h
         return x_BxTxD + self.mlp(self.mlp_norm(x_BxTxD)), new_kv
 
 
-def stacked_blocks(cfg: ModelConfig, num: int, rngs: nnx.Rngs) -> Block:
-    """`num` Blocks whose parameters are stacked on a leading 'layers' axis."""
-    graphdef, first = nnx.split(Block(cfg, rngs))
-    states = [first] + [nnx.split(Block(cfg, rngs))[1] for _ in range(num - 1)]
+def stacked_blocks(cfg: ModelConfig, num: int, rngs: nnx.Rngs, block_cls=None) -> nnx.Module:
+    """`num` blocks (default `Block`) whose parameters are stacked on a leading 'layers' axis."""
+    block_cls = block_cls or Block
+    graphdef, first = nnx.split(block_cls(cfg, rngs))
+    states = [first] + [nnx.split(block_cls(cfg, rngs))[1] for _ in range(num - 1)]
     is_var = lambda x: isinstance(x, nnx.Variable)  # noqa: E731
 
     def stack(*vs):

@@ -5,11 +5,11 @@ so token positions equal cache slots and no row needs a position offset. Padded 
 rounded up to a power of two to bound the number of compilations.
 
 `process_logits` turns raw logits into the log-probabilities of the distribution actually sampled
-from (temperature, then top-k, then top-p). With temperature 0 the sampler is greedy, and the
-recorded log-probs and entropy are those of the untempered softmax (a one-hot would carry no
-information). Outputs per generated token: the token, its behaviour log-prob, the entropy of the
-policy's (processed) distribution at that step; per row: the number of generated tokens (including
-the EOS that ended it). Slots after a row's end hold `pad_id` and zeros.
+from (temperature, then top-k, then top-p). With temperature 0 the sampler is greedy (a one-hot),
+and the recorded log-probs and entropy are those of the untempered softmax (`stats_logprobs`).
+Outputs per generated token: the token, its behaviour log-prob, the entropy of the policy's
+(processed) distribution at that step; per row: the number of generated tokens (including the EOS
+that ended it). Slots after a row's end hold `pad_id` and zeros.
 """
 
 from __future__ import annotations
@@ -60,10 +60,13 @@ def pad_prompts(prompts: Sequence[Sequence[int]], pad_id: int = 0, bucket: bool 
 
 
 def process_logits(logits_BxV: jax.Array, cfg: SamplingConfig) -> jax.Array:
-    """Log-probs of the processed distribution (temperature, top-k, top-p); -inf outside support."""
+    """Log-probs of the distribution actually sampled from: temperature, then top-k, then top-p;
+    -inf outside the support. Temperature 0 is greedy: a one-hot at the argmax."""
     logits = logits_BxV.astype(jnp.float32)
-    if cfg.temperature > 0:
-        logits = logits / cfg.temperature
+    if cfg.temperature == 0:
+        top = jnp.argmax(logits, axis=-1)[..., None]
+        return jnp.where(jnp.arange(logits.shape[-1]) == top, 0.0, -jnp.inf)
+    logits = logits / cfg.temperature
     if cfg.top_k and cfg.top_k < logits.shape[-1]:
         kth = jax.lax.top_k(logits, cfg.top_k)[0][..., -1:]
         logits = jnp.where(logits >= kth, logits, -jnp.inf)
@@ -75,6 +78,14 @@ def process_logits(logits_BxV: jax.Array, cfg: SamplingConfig) -> jax.Array:
         threshold = jnp.min(jnp.where(keep_sorted, sorted_logp, jnp.inf), axis=-1, keepdims=True)
         logp = jax.nn.log_softmax(jnp.where(logp >= threshold, logp, -jnp.inf), axis=-1)
     return logp
+
+
+def stats_logprobs(logits_BxV: jax.Array, cfg: SamplingConfig) -> jax.Array:
+    """The distribution whose log-prob and entropy are recorded: the sampling one, except under
+    greedy decoding, where the untempered softmax (with the same top-k/top-p) is more useful."""
+    if cfg.temperature == 0:
+        cfg = dataclasses.replace(cfg, temperature=1.0)
+    return process_logits(logits_BxV, cfg)
 
 
 def entropy(logp_BxV: jax.Array) -> jax.Array:
@@ -117,7 +128,6 @@ def sample(graphdef, params, prompt_BxP, prompt_lens_B, rng, cfg: SamplingConfig
         lengths=jnp.zeros((b,), jnp.int32),
     )
     init = _LoopState(jnp.int32(0), cache, last_BxV, jnp.zeros((b,), bool), rng, out)
-    stats_cfg = cfg if cfg.temperature > 0 else dataclasses.replace(cfg, temperature=1.0)
 
     def cond(s: _LoopState):
         return (s.step < n) & ~jnp.all(s.done_B)
@@ -126,7 +136,7 @@ def sample(graphdef, params, prompt_BxP, prompt_lens_B, rng, cfg: SamplingConfig
         rng, key = jax.random.split(s.rng)
         logp_BxV = process_logits(s.logits_BxV, cfg)
         tok_B = draw(key, logp_BxV, cfg)
-        stats_logp = logp_BxV if cfg.temperature > 0 else process_logits(s.logits_BxV, stats_cfg)
+        stats_logp = logp_BxV if cfg.temperature > 0 else stats_logprobs(s.logits_BxV, cfg)
         live_B = ~s.done_B
         tok_B = jnp.where(live_B, tok_B, cfg.pad_id)
         lp_B = jnp.take_along_axis(stats_logp, tok_B[:, None], axis=-1)[:, 0]

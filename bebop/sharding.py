@@ -29,6 +29,7 @@ RULES: Mapping[str, tuple[str, ...] | None] = {
     "mlp": ("tensor",),
     "head_dim": None,
     "layers": None,
+    "fc_in": None,
     "norm": None,
     "seq": None,
 }

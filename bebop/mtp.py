@@ -1,0 +1,102 @@
+"""MTP draft layer(s), DeepSeek-V3 / Qwen3.5 style (METHOD §1), applied recursively for Y steps.
+
+One MTP layer:
+    e = RMSNorm_e(embed(token))          # embedding of the next token (shared, frozen embedding)
+    h = RMSNorm_h(hidden)                # backbone hidden (step 1) or the MTP's previous output
+    x = DecoderBlock(W_fc [e ; h])       # 2D -> D, no bias; one block of the policy's type
+    logits = head(RMSNorm_out(x))        # shared, frozen head
+`x` (before RMSNorm_out) is the hidden state passed to the next step. With `n` distinct layers,
+step i (1-based) uses layer (i - 1) mod n. The MTP parameters are their own nnx state, separate
+from the policy's: training "only the MTP" is a choice of which state to differentiate.
+
+Train time (`train_hidden`), teacher forcing over whole sequences: step k at anchor position t
+consumes the data token x[t+k] and the step-(k-1) hidden at t (k=1: the backbone's hidden at t) and
+predicts x[t+k+1]. Each step is one causal pass over the sequence.
+
+Decode time (`extend`), chain style: each MTP layer keeps a KV cache indexed by position, whose
+entry p holds (backbone hidden at p, token p+1) for accepted positions. Drafting from anchor a
+(the last position the backbone has processed): step 1 is the entry at a itself, step k >= 2 sits
+at position a+k-1 with the previous step's output as its hidden. Drafted entries are rolled back
+after verification and rewritten from backbone hiddens by the next catch-up.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+from flax import nnx
+
+from bebop import model
+from bebop.config import ModelConfig
+from bebop.kvcache import KVCache
+from bebop.model import DTYPES, Block, RMSNorm
+
+
+class MTPLayer(nnx.Module):
+    def __init__(self, cfg: ModelConfig, rngs: nnx.Rngs):
+        dt = DTYPES[cfg.dtype]
+        self.emb_norm = RMSNorm(cfg.dim, cfg.norm_eps, dt)
+        self.hid_norm = RMSNorm(cfg.dim, cfg.norm_eps, dt)
+        w = cfg.init_std * jax.random.normal(rngs.params(), (2 * cfg.dim, cfg.dim))
+        self.w_fc = nnx.Param(w.astype(dt), axes=("fc_in", "embed"))
+        self.block = Block(cfg, rngs)
+        self.out_norm = RMSNorm(cfg.dim, cfg.norm_eps, dt)
+
+    def __call__(self, emb_BxTxD, hid_BxTxD, positions_BxT, kv=None, offsets_B=None, valid=None):
+        x = jnp.concatenate([self.emb_norm(emb_BxTxD), self.hid_norm(hid_BxTxD)], axis=-1)
+        x_BxTxD = x @ self.w_fc[...]
+        out_BxTxD, new_kv = self.block(x_BxTxD, positions_BxT, kv, offsets_B, valid)
+        return out_BxTxD, self.out_norm(out_BxTxD), new_kv
+
+
+class MTP(nnx.Module):
+    def __init__(self, cfg: ModelConfig, num_layers: int, rngs: nnx.Rngs):
+        self.cfg = cfg
+        self.num_layers = num_layers
+        self.layers = model.stacked_blocks(cfg, num_layers, rngs, block_cls=MTPLayer)
+
+    def layer(self, i: int) -> MTPLayer:
+        graphdef, state = nnx.split(self.layers)
+        return nnx.merge(graphdef, jax.tree.map(lambda a: a[i % self.num_layers], state))
+
+
+def init(cfg: ModelConfig, num_layers: int, seed: int):
+    return nnx.split(MTP(cfg, num_layers, nnx.Rngs(params=seed)))
+
+
+def new_cache(cfg: ModelConfig, num_layers: int, batch: int, max_len: int) -> KVCache:
+    return KVCache.init(
+        num_layers, batch, cfg.num_kv_heads, max_len, cfg.head_dim, DTYPES[cfg.dtype]
+    )
+
+
+def train_hidden(mtp_gd, mtp_params, pol_gd, pol_params, tokens_BxT, hidden_BxTxD, num_steps):
+    """Teacher-forced multi-step forward. Returns normed hiddens `[Y, B, T, D]`; step k's row t
+    predicts `tokens[t + k + 1]` (positions with t + k + 1 >= T are padding-fed and must be masked).
+    Logits are `policy.head(out)`, left to the caller so the loss can chunk the vocabulary."""
+    mtp = nnx.merge(mtp_gd, mtp_params)
+    policy = nnx.merge(pol_gd, pol_params)
+    b, t = tokens_BxT.shape
+    feats = jax.lax.stop_gradient(hidden_BxTxD)
+    outs = []
+    for k in range(1, num_steps + 1):
+        shifted_BxT = jnp.pad(tokens_BxT[:, k:], ((0, 0), (0, k)))
+        emb = jax.lax.stop_gradient(policy.embed_tokens(shifted_BxT))
+        positions = jnp.broadcast_to(jnp.arange(t) + k - 1, (b, t))
+        feats, normed, _ = mtp.layer(k - 1)(emb, feats, positions)
+        outs.append(normed)
+    return jnp.stack(outs)
+
+
+def extend(mtp: MTP, policy, layer: int, cache: KVCache, hid_BxTxD, tokens_BxT, valid_BxS=None):
+    """Runs MTP layer `layer` over T positions per row at the cache's lengths (no advance).
+
+    Returns (hidden out `[B, T, D]`, logits `[B, T, V]` float32, cache with that layer written).
+    `valid_BxS` optionally masks cache slots (needed when n > 1 layers leave gaps in a chain)."""
+    kv = (cache.k[layer % mtp.num_layers], cache.v[layer % mtp.num_layers])
+    positions = cache.positions(tokens_BxT.shape[1])
+    emb = policy.embed_tokens(tokens_BxT)
+    out, normed, (k, v) = mtp.layer(layer)(emb, hid_BxTxD, positions, kv, cache.lengths, valid_BxS)
+    i = layer % mtp.num_layers
+    cache = cache.replace(k=cache.k.at[i].set(k), v=cache.v.at[i].set(v))
+    return out, policy.head(normed), cache

@@ -1,0 +1,217 @@
+"""Speculative sampler: greedy equality with the plain sampler, losslessness (chi-square against
+exact probabilities), behaviour log-probs, acceptance statistics, 1 vs 8 devices."""
+
+import dataclasses
+import itertools
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from bebop import model, sampling, sharding, speculative
+from bebop import mtp as mtp_lib
+from bebop.config import MeshConfig, ModelConfig
+from bebop.speculative import ACCEPTED, UNDRAFTED, SpecConfig
+
+from .helpers import bigram_policy_and_copy_mtp, perturb, random_policy
+
+CFG = ModelConfig(
+    vocab_size=16, dim=32, num_layers=2, num_heads=4, num_kv_heads=2, head_dim=8, ffw_dim=48
+)
+PROMPTS = [[1, 5, 6, 7], [1, 3], [1, 4, 4, 4, 4, 9], [1, 8, 2]]
+
+
+def _spec(pol, mtp, prompts, scfg, spec, seed=0):
+    toks, lens = sampling.pad_prompts(prompts)
+    return speculative.sample_jit(*pol, *mtp, toks, lens, jax.random.key(seed), scfg, spec)
+
+
+def _plain(pol, prompts, scfg, seed=0):
+    toks, lens = sampling.pad_prompts(prompts)
+    return sampling.sample_jit(*pol, toks, lens, jax.random.key(seed), scfg)
+
+
+def _models(kind, num_mtp=1):
+    if kind == "random":  # a random MTP: rarely agrees with the policy
+        return random_policy(CFG, 0), mtp_lib.init(
+            dataclasses.replace(CFG, init_std=0.3), num_mtp, 1
+        )
+    pol, (mg, mp) = bigram_policy_and_copy_mtp(CFG, 0)
+    if kind == "agrees_often":  # a slightly perturbed copy
+        mp = perturb(mp, 3, 0.05)
+    return pol, (mg, mp)
+
+
+@pytest.mark.parametrize("kind", ["random", "agrees_often"])
+@pytest.mark.parametrize("rule", ["rejection", "target_only"])
+@pytest.mark.parametrize("num_mtp", [1, 2])
+def test_greedy_equals_plain_sampler_token_for_token(kind, rule, num_mtp):
+    pol, mtp = _models(kind, num_mtp)
+    scfg = sampling.SamplingConfig(temperature=0.0, max_new_tokens=24, eos_ids=(2,))
+    plain = jax.device_get(_plain(pol, PROMPTS, scfg))
+    out = jax.device_get(_spec(pol, mtp, PROMPTS, scfg, SpecConfig(3, rule)))
+    np.testing.assert_array_equal(out.sample.lengths, plain.lengths)
+    np.testing.assert_array_equal(out.sample.tokens, plain.tokens)
+    np.testing.assert_allclose(out.sample.logprobs, plain.logprobs, atol=1e-5)
+    np.testing.assert_allclose(out.sample.entropy, plain.entropy, atol=1e-5)
+    rate = out.stats.accepts.sum() / max(out.stats.attempts.sum(), 1)
+    if kind == "agrees_often":
+        assert rate > 0.6 and out.stats.verify_calls.sum() < 0.6 * plain.lengths.sum()
+
+
+# ----------------------------------------------------------------------------- losslessness
+
+V_SMALL = 8
+SMALL = ModelConfig(
+    vocab_size=V_SMALL, dim=16, num_layers=1, num_heads=2, num_kv_heads=1, head_dim=8,
+    ffw_dim=32, init_std=0.4,
+)  # fmt: skip
+PROMPT = [1, 3, 5]
+N_SAMPLES = 100_000
+
+
+def _exact_joint(pol, scfg):
+    """P(x1, x2, x3 | prompt) for all V^3 continuations, from full forwards of every prefix."""
+    seqs = np.array([PROMPT + list(c) for c in itertools.product(range(V_SMALL), repeat=2)])
+    pos = jnp.broadcast_to(jnp.arange(seqs.shape[1]), seqs.shape)
+    logits = model.forward(*pol, jnp.asarray(seqs), pos)[0]
+    lp = np.asarray(sampling.process_logits(logits, scfg))  # [V^2, P+2, V]
+    p1 = np.exp(lp[0, len(PROMPT) - 1])
+    p2 = np.exp(lp[:, len(PROMPT)]).reshape(V_SMALL, V_SMALL, V_SMALL)[:, 0]  # [x1, x2]
+    p3 = np.exp(lp[:, len(PROMPT) + 1]).reshape(V_SMALL, V_SMALL, V_SMALL)  # [x1, x2, x3]
+    return p1[:, None, None] * p2[:, :, None] * p3
+
+
+def _chi2_pvalue(counts, probs):
+    """Pearson chi-square; cells with expected < 5 are pooled into one."""
+    expected = probs * counts.sum()
+    small = expected < 5
+    obs = np.append(counts[~small], counts[small].sum())
+    exp = np.append(expected[~small], expected[small].sum())
+    keep = exp > 0
+    stat = float(((obs[keep] - exp[keep]) ** 2 / exp[keep]).sum())
+    dof = int(keep.sum()) - 1
+    return float(jax.scipy.special.gammaincc(dof / 2, stat / 2)), dof
+
+
+def _broken_rule(key, logq, cfg):
+    """A realistic bug, the two rules mixed up: greedy draft d = argmax q, but the acceptance
+    test and residual use q itself. (Note that a draft drawn any way and tested as a one-hot, i.e.
+    target-only with any proposal, would still be lossless.)"""
+    del key, cfg
+    return jnp.argmax(logq, axis=-1).astype(jnp.int32), jnp.exp(logq)
+
+
+SETTINGS = {
+    "t1": sampling.SamplingConfig(temperature=1.0, max_new_tokens=3, eos_ids=(-1,)),
+    "t0.7_p0.9": sampling.SamplingConfig(
+        temperature=0.7, top_p=0.9, max_new_tokens=3, eos_ids=(-1,)
+    ),
+}
+
+
+def _counts(sampler, scfg):
+    rows = []
+    for seed in range(4):  # 4 batches of 25k rows
+        toks, lens = sampling.pad_prompts([PROMPT] * (N_SAMPLES // 4))
+        rows.append(np.asarray(sampler(toks, lens, jax.random.key(seed), scfg)))
+    seqs = np.concatenate(rows)
+    idx = (seqs[:, 0] * V_SMALL + seqs[:, 1]) * V_SMALL + seqs[:, 2]
+    return np.bincount(idx, minlength=V_SMALL**3)
+
+
+@pytest.mark.parametrize("setting", list(SETTINGS))
+@pytest.mark.parametrize("rule", ["plain", "rejection", "target_only", "broken"])
+def test_lossless_joint_distribution_of_first_three_tokens(setting, rule, monkeypatch):
+    """Chi-square goodness of fit of 1e5 samples of (x1, x2, x3) against exact probabilities:
+    every real sampler passes at p > 0.01; the broken verifier must fail (p < 1e-6)."""
+    scfg = SETTINGS[setting]
+    pol = model.init(SMALL, 0)
+    mtp = mtp_lib.init(dataclasses.replace(SMALL, init_std=0.8), 1, 5)
+    monkeypatch.setitem(speculative.DRAFT_RULES, "broken", _broken_rule)
+    if rule == "plain":
+        run = jax.jit(lambda t, n, k, c: sampling.sample(*pol, t, n, k, c).tokens, static_argnums=3)
+    else:
+        spec = SpecConfig(num_draft=2, rule=rule)
+        run = jax.jit(
+            lambda t, n, k, c: speculative.sample(*pol, *mtp, t, n, k, c, spec).sample.tokens,
+            static_argnums=3,
+        )
+    pvalue, dof = _chi2_pvalue(_counts(run, scfg), _exact_joint(pol, scfg).ravel())
+    assert dof > 50
+    if rule == "broken":
+        assert pvalue < 1e-6
+    else:
+        assert pvalue > 0.01, (rule, setting, pvalue)
+
+
+# ----------------------------------------------------------------------------- log-probs, stats
+
+
+@pytest.mark.parametrize("rule", ["rejection", "target_only"])
+def test_behaviour_logprobs_match_a_full_forward(rule):
+    pol, mtp = _models("agrees_often")
+    scfg = sampling.SamplingConfig(temperature=0.8, max_new_tokens=20, eos_ids=(2,))
+    out = jax.device_get(_spec(pol, mtp, PROMPTS, scfg, SpecConfig(3, rule), seed=7))
+    for r, prompt in enumerate(PROMPTS):
+        n = int(out.sample.lengths[r])
+        seq = np.array(prompt + list(out.sample.tokens[r, :n]))
+        logits = model.forward(*pol, jnp.asarray(seq[None]), jnp.arange(len(seq))[None])[0][0]
+        logp = jax.nn.log_softmax(logits / 0.8, axis=-1)
+        want = logp[len(prompt) - 1 : len(seq) - 1][np.arange(n), seq[len(prompt) :]]
+        np.testing.assert_allclose(out.sample.logprobs[r, :n], want, atol=1e-4)
+
+
+def test_copy_mtp_is_always_accepted():
+    pol, mtp = _models("copy")
+    y = 3
+    scfg = sampling.SamplingConfig(temperature=1.0, max_new_tokens=1 + 5 * (y + 1), eos_ids=(-1,))
+    out = jax.device_get(_spec(pol, mtp, PROMPTS, scfg, SpecConfig(y, "rejection"), seed=1))
+    st = out.stats
+    np.testing.assert_array_equal(st.accepts, st.attempts)
+    assert st.attempts.sum() == len(PROMPTS) * 5 * y
+    np.testing.assert_array_equal(st.verify_calls, 5)
+    np.testing.assert_allclose(st.overlap[st.status == ACCEPTED], 1.0, atol=1e-5)
+
+
+@pytest.mark.parametrize("rule", ["rejection", "target_only"])
+def test_acceptance_counts_are_consistent(rule):
+    pol, mtp = _models("agrees_often")
+    y = 3
+    scfg = sampling.SamplingConfig(temperature=1.0, max_new_tokens=40, eos_ids=(2,))
+    prompts = PROMPTS * 4
+    out = jax.device_get(_spec(pol, mtp, prompts, scfg, SpecConfig(y, rule), seed=2))
+    st, lengths = out.stats, out.sample.lengths
+    hist = st.accept_hist  # [B, Y+1]: verifies that emitted k+1 tokens
+    k = np.arange(y + 1)
+    assert hist.shape[1] == y + 1  # accept lengths never exceed Y + 1
+    np.testing.assert_array_equal(hist.sum(1), st.verify_calls)
+    np.testing.assert_array_equal((hist * k).sum(1), st.accepts.sum(1))
+    for j in range(y):  # draft j+1 is evaluated iff the first j were accepted
+        np.testing.assert_array_equal(st.attempts[:, j], hist[:, j:].sum(1))
+    produced = 1 + (hist * (k + 1)).sum(1)  # first token + tokens per verify before cuts
+    assert (lengths <= produced).all() and (lengths >= produced - y).all()
+    for r in range(len(prompts)):  # per emitted token: every accepted draft is counted
+        n_acc = (st.status[r, : lengths[r]] == ACCEPTED).sum()
+        assert st.accepts[r].sum() - y <= n_acc <= st.accepts[r].sum()
+        assert st.status[r, 0] == UNDRAFTED and (st.status[r, lengths[r] :] == -1).all()
+    assert 0 < st.accepts.sum() < st.attempts.sum()
+
+
+def test_same_tokens_on_one_device_and_an_8_device_mesh(devices):
+    pol, mtp = _models("agrees_often")
+    scfg = sampling.SamplingConfig(temperature=1.0, max_new_tokens=16, eos_ids=(2,))
+    toks, lens = sampling.pad_prompts(PROMPTS * 2)
+    outs = []
+    for mesh_cfg, devs in ((MeshConfig(data=1), devices[:1]), (MeshConfig(2, 2, 2), devices)):
+        mesh = sharding.make_mesh(mesh_cfg, devs)
+        pp = sharding.place_state(pol[1], mesh)
+        mp = sharding.place_state(mtp[1], mesh)
+        batch = sharding.shard_batch({"t": toks, "l": lens}, mesh)
+        out = speculative.sample_jit(
+            pol[0], pp, mtp[0], mp, batch["t"], batch["l"], jax.random.key(3), scfg, SpecConfig()
+        )
+        outs.append(jax.device_get(out.sample))
+    np.testing.assert_array_equal(outs[0].tokens, outs[1].tokens)
+    np.testing.assert_array_equal(outs[0].lengths, outs[1].lengths)
