@@ -1,0 +1,337 @@
+"""Hugging Face checkpoints: import (Qwen3 / Qwen2 / Llama, single or sharded safetensors, optional
+MTP tensors) straight onto mesh shardings, and export to a directory transformers loads.
+
+Import never holds a full copy of the model on a host: every parameter is created with
+`jax.make_array_from_callback`, and each device's block is read through safetensors' lazy slices
+(`names.read_slice`). Every tensor is checked: missing, unexpected and wrongly shaped tensors are
+errors naming the tensor and the file.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+from pathlib import Path
+
+import jax
+import numpy as np
+from flax import nnx
+from safetensors import safe_open
+from safetensors.numpy import save_file
+
+from bebop import model, sharding
+from bebop import mtp as mtp_lib
+from bebop.checkpoints import names
+from bebop.config import ModelConfig
+
+ARCHITECTURES = {
+    "qwen3": "Qwen3ForCausalLM",
+    "qwen2": "Qwen2ForCausalLM",
+    "llama": "LlamaForCausalLM",
+}
+
+
+class CheckpointError(ValueError):
+    """A checkpoint is missing, malformed or does not match the model; names the culprit."""
+
+
+@dataclasses.dataclass
+class Loaded:
+    cfg: ModelConfig
+    graphdef: object
+    params: object
+    mtp: tuple | None = None  # (graphdef, params) when the checkpoint ships MTP layers
+    mtp_format: str | None = None
+
+
+# ----------------------------------------------------------------------------- config
+
+
+def config_from_hf(hf: dict, source: str = "config.json", dtype="float32", scan_layers=False):
+    model_type = hf.get("model_type")
+    if model_type not in ARCHITECTURES:
+        raise CheckpointError(
+            f"{source}: unknown architecture model_type={model_type!r}; supported: "
+            f"{sorted(ARCHITECTURES)}"
+        )
+    rope = hf.get("rope_parameters") or {}
+    scaling = hf.get("rope_scaling") or rope
+    if scaling.get("rope_type", scaling.get("type", "default")) not in ("default", None):
+        raise CheckpointError(f"{source}: rope scaling {scaling} is not supported")
+    theta = hf.get("rope_theta", rope.get("rope_theta"))
+    if theta is None:
+        raise CheckpointError(f"{source}: neither rope_theta nor rope_parameters.rope_theta")
+    heads = hf["num_attention_heads"]
+    return ModelConfig(
+        vocab_size=hf["vocab_size"],
+        dim=hf["hidden_size"],
+        num_layers=hf["num_hidden_layers"],
+        num_heads=heads,
+        num_kv_heads=hf.get("num_key_value_heads", heads),
+        head_dim=hf.get("head_dim") or hf["hidden_size"] // heads,
+        ffw_dim=hf["intermediate_size"],
+        rope_theta=float(theta),
+        norm_eps=float(hf.get("rms_norm_eps", 1e-6)),
+        qkv_bias=model_type == "qwen2" or bool(hf.get("attention_bias", False)),
+        qk_norm=model_type == "qwen3",
+        tie_embeddings=bool(hf.get("tie_word_embeddings", False)),
+        dtype=dtype,
+        scan_layers=scan_layers,
+    )
+
+
+def config_to_hf(cfg: ModelConfig, model_type: str) -> dict:
+    return {
+        "architectures": [ARCHITECTURES[model_type]],
+        "model_type": model_type,
+        "vocab_size": cfg.vocab_size,
+        "hidden_size": cfg.dim,
+        "num_hidden_layers": cfg.num_layers,
+        "num_attention_heads": cfg.num_heads,
+        "num_key_value_heads": cfg.num_kv_heads,
+        "head_dim": cfg.head_dim,
+        "intermediate_size": cfg.ffw_dim,
+        "rope_theta": cfg.rope_theta,
+        "rms_norm_eps": cfg.norm_eps,
+        "attention_bias": cfg.qkv_bias,
+        "tie_word_embeddings": cfg.tie_embeddings,
+        "hidden_act": "silu",
+        "max_position_embeddings": 32768,
+        "torch_dtype": "float32",
+    }
+
+
+# ----------------------------------------------------------------------------- tensor sources
+
+
+class SafetensorsSource:
+    """Tensors of a single `model.safetensors` or of shards listed in `*.index.json`."""
+
+    def __init__(self, directory: Path):
+        directory = Path(directory)
+        index = sorted(directory.glob("*.safetensors.index.json"))
+        if index:
+            weight_map = json.loads(index[0].read_text())["weight_map"]
+            files = sorted(set(weight_map.values()))
+        else:
+            files = [p.name for p in sorted(directory.glob("*.safetensors"))]
+            if not files:
+                raise CheckpointError(f"{directory}: no *.safetensors weights found")
+            weight_map = None
+        self.handles, self.where = {}, {}
+        for f in files:
+            path = directory / f
+            if not path.exists():
+                raise CheckpointError(f"{path}: listed in the index but missing")
+            try:
+                h = safe_open(str(path), framework="numpy")
+                keys = list(h.keys())
+            except Exception as e:  # noqa: BLE001 - any parse failure names the file
+                raise CheckpointError(f"{path}: unreadable safetensors file ({e})") from e
+            self.handles[f] = h
+            for k in keys:
+                self.where[k] = f
+        if weight_map is not None:
+            for k, f in weight_map.items():
+                if self.where.get(k) != f:
+                    raise CheckpointError(f"index lists tensor {k} in {f}, which lacks it")
+        self.label = str(directory)
+
+    def names(self):
+        return list(self.where)
+
+    def has(self, name):
+        return name in self.where
+
+    def shape(self, name):
+        return tuple(self.handles[self.where[name]].get_slice(name).get_shape())
+
+    def read(self, name, index):
+        try:
+            return np.asarray(self.handles[self.where[name]].get_slice(name)[index])
+        except Exception as e:  # noqa: BLE001
+            raise CheckpointError(f"{self.label}: cannot read tensor {name} ({e})") from e
+
+
+class ArraySource:
+    """In-memory tensors in HF layout (e.g. dequantized from a GGUF file)."""
+
+    def __init__(self, arrays: dict[str, np.ndarray], label: str):
+        self.arrays, self.label = arrays, label
+
+    def names(self):
+        return list(self.arrays)
+
+    def has(self, name):
+        return name in self.arrays
+
+    def shape(self, name):
+        return tuple(self.arrays[name].shape)
+
+    def read(self, name, index):
+        return self.arrays[name][index]
+
+
+# ----------------------------------------------------------------------------- import
+
+
+def _is_var(x):
+    return isinstance(x, nnx.Variable)
+
+
+def _paths(state):
+    leaves, _ = jax.tree_util.tree_flatten_with_path(state, is_leaf=_is_var)
+    for path, var in leaves:
+        yield ".".join(str(getattr(k, "key", getattr(k, "name", k))) for k in path), var
+
+
+def _block_reader(source, name_of, path, shape, stacked, dtype):
+    """Callback for `make_array_from_callback`: reads one device's block of parameter `path`."""
+    inner = shape[1:] if stacked else shape
+
+    def one(layer, index):
+        name, kind = name_of(path, layer)
+        return names.read_slice(kind, lambda ix: source.read(name, ix), inner, index)
+
+    def cb(index):
+        if not stacked:
+            return one(None, index).astype(dtype)
+        l0, l1, _ = index[0].indices(shape[0])
+        return np.stack([one(i, index[1:]) for i in range(l0, l1)]).astype(dtype)
+
+    return cb
+
+
+def _fill(abstract_state, mesh, source, name_of, used: set, dtype):
+    """Builds the sharded state; `name_of(path, layer)` -> (HF name, kind)."""
+    shardings = sharding.state_shardings(abstract_state, mesh)
+    flat_sh = dict(_paths(shardings))
+    out = {}
+    for path, var in _paths(abstract_state):
+        shape = var.get_value().shape
+        stacked = path.startswith("layers.")
+        layers = range(shape[0]) if stacked else [None]
+        inner = shape[1:] if stacked else shape
+        for i in layers:
+            hf_name, kind = name_of(path, i)
+            if not source.has(hf_name):
+                raise CheckpointError(f"{source.label}: missing tensor {hf_name}")
+            want, got = names.hf_shape(kind, inner), source.shape(hf_name)
+            if tuple(want) != tuple(got):
+                raise CheckpointError(
+                    f"{source.label}: tensor {hf_name} has shape {got}, expected {want}"
+                )
+            used.add(hf_name)
+
+        out[path] = jax.make_array_from_callback(
+            shape, flat_sh[path], _block_reader(source, name_of, path, shape, stacked, dtype)
+        )
+    return out
+
+
+def _assign(abstract_state, arrays: dict):
+    leaves, treedef = jax.tree_util.tree_flatten_with_path(abstract_state, is_leaf=_is_var)
+    new = []
+    for path, var in leaves:
+        key = ".".join(str(getattr(k, "key", getattr(k, "name", k))) for k in path)
+        new.append(var.replace(value=arrays[key]))
+    return jax.tree_util.tree_unflatten(treedef, new)
+
+
+def _policy_name(path, layer):
+    if path.startswith("layers."):
+        name, kind = names.DECODER_LAYER[path[len("layers.") :]]
+        return names.POLICY_LAYER_PREFIX.format(i=layer) + name, kind
+    return names.POLICY[path]
+
+
+def load_source(source, cfg: ModelConfig, mesh, mtp_layers: int | None = None) -> Loaded:
+    """Loads policy (and MTP layers, when present) from a tensor source onto `mesh`."""
+    dtype = model.DTYPES[cfg.dtype]
+    used: set[str] = set()
+    graphdef, abstract = model.abstract(cfg)
+    arrays = _fill(abstract, mesh, source, _policy_name, used, dtype)
+    params = _assign(abstract, arrays)
+    loaded = Loaded(cfg, graphdef, params)
+    fmt = names.detect_mtp_format(source.names(), cfg.num_layers)
+    if fmt is not None:
+        n = mtp_layers or _count_mtp_layers(source.names(), fmt, cfg.num_layers)
+        limit = names.MTP_FORMATS[fmt]["max_layers"]
+        if limit is not None and n > limit:
+            raise CheckpointError(f"{source.label}: format {fmt} holds at most {limit} MTP layer")
+        mgd, mabs = nnx.split(nnx.eval_shape(lambda: mtp_lib.MTP(cfg, n, nnx.Rngs(params=0))))
+
+        def mtp_name(path, j):
+            return names.mtp_name(fmt, path[len("layers.") :], j, cfg.num_layers)
+
+        marrays = _fill(mabs, mesh, source, mtp_name, used, dtype)
+        loaded.mtp, loaded.mtp_format = (mgd, _assign(mabs, marrays)), fmt
+    if cfg.tie_embeddings:
+        used.add("lm_head.weight")  # some tied checkpoints still store it
+    extra = [n for n in source.names() if n not in used and not n.endswith(names.IGNORED_SUFFIXES)]
+    if extra:
+        raise CheckpointError(f"{source.label}: unexpected tensor(s) {sorted(extra)[:5]}")
+    return loaded
+
+
+def _count_mtp_layers(all_names, fmt, num_policy_layers) -> int:
+    present = set(all_names)
+    n = 0
+    while names.mtp_name(fmt, "block.attn_norm.scale", n, num_policy_layers)[0] in present:
+        n += 1
+    return max(n, 1)
+
+
+def load(directory, mesh, dtype="float32", scan_layers=False) -> Loaded:
+    directory = Path(directory)
+    cfg_path = directory / "config.json"
+    if not cfg_path.exists():
+        raise CheckpointError(f"{directory}: missing config.json")
+    cfg = config_from_hf(json.loads(cfg_path.read_text()), str(cfg_path), dtype, scan_layers)
+    return load_source(SafetensorsSource(directory), cfg, mesh)
+
+
+# ----------------------------------------------------------------------------- export
+
+
+def export(directory, cfg: ModelConfig, params, model_type: str, mtp_params=None,
+           mtp_format: str = "qwen3_5", max_shard_bytes: int | None = None) -> None:  # fmt: skip
+    """Writes config.json + safetensors (sharded with an index past `max_shard_bytes`)."""
+    directory = Path(directory)
+    directory.mkdir(parents=True, exist_ok=True)
+    tensors: dict[str, np.ndarray] = {}
+
+    def put(state, name_of):
+        for path, var in _paths(state):
+            x = np.asarray(jax.device_get(var.get_value()), np.float32)
+            for i in range(x.shape[0]) if path.startswith("layers.") else [None]:
+                name, kind = name_of(path, i)
+                tensors[name] = np.ascontiguousarray(names.to_hf(kind, x if i is None else x[i]))
+
+    put(params, _policy_name)
+    if mtp_params is not None:
+        put(
+            mtp_params,
+            lambda p, j: names.mtp_name(mtp_format, p[len("layers.") :], j, cfg.num_layers),
+        )
+    (directory / "config.json").write_text(json.dumps(config_to_hf(cfg, model_type), indent=2))
+    if max_shard_bytes is None:
+        save_file(tensors, str(directory / "model.safetensors"), metadata={"format": "pt"})
+        return
+    shards, cur, size = [], {}, 0
+    for k, v in tensors.items():
+        if cur and size + v.nbytes > max_shard_bytes:
+            shards.append(cur)
+            cur, size = {}, 0
+        cur[k], size = v, size + v.nbytes
+    shards.append(cur)
+    weight_map = {}
+    for i, shard in enumerate(shards):
+        fname = f"model-{i + 1:05d}-of-{len(shards):05d}.safetensors"
+        save_file(shard, str(directory / fname), metadata={"format": "pt"})
+        weight_map.update(dict.fromkeys(shard, fname))
+    index = {
+        "metadata": {"total_size": sum(v.nbytes for v in tensors.values())},
+        "weight_map": weight_map,
+    }
+    (directory / "model.safetensors.index.json").write_text(json.dumps(index, indent=2))
