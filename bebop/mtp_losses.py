@@ -31,6 +31,7 @@ NEG = -1e30
 def _chunks(head_DxV, chunk: int):
     """Head columns as [n_chunks, D, C] (zero-padded) and a [n_chunks, C] validity mask."""
     d, v = head_DxV.shape
+    chunk = min(chunk, v)
     n = -(-v // chunk)
     w = jnp.pad(head_DxV.astype(jnp.float32), ((0, 0), (0, n * chunk - v)))
     valid = (jnp.arange(n * chunk) < v).reshape(n, chunk)

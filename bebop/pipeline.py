@@ -7,12 +7,12 @@ import json
 import logging
 from pathlib import Path
 
-from bebop import sft
+from bebop import distill, mtp_train, sft
 from bebop.config import RunConfig
 
 log = logging.getLogger(__name__)
 
-STAGES = {"sft": sft.run}
+STAGES = {"sft": sft.run, "distill": distill.run, "mtp": mtp_train.run}
 
 
 def run(cfg: RunConfig, workdir: Path, mesh) -> dict:

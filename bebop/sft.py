@@ -9,7 +9,6 @@ accuracy on held-out prompts -> `summary.json` (whose presence makes a re-run sk
 from __future__ import annotations
 
 import json
-import time
 from pathlib import Path
 
 import jax
@@ -17,17 +16,12 @@ import jax.numpy as jnp
 import numpy as np
 
 from bebop import data, model, sampling, sharding
-from bebop.ckpt import Checkpointer
 from bebop.config import ConfigError, RunConfig
-from bebop.metrics import MetricsWriter, Progress
+from bebop.fit import Interrupted, fit, restore_params  # noqa: F401 - Interrupted: API
 from bebop.rl import tasks
 from bebop.tokenizer import CharTokenizer
-from bebop.train import TrainState, check_nonfinite, make_optimizer, make_train_step, schedule
+from bebop.train import TrainState, make_optimizer, make_train_step, schedule
 from bebop.train import token_cross_entropy as xent
-
-
-class Interrupted(RuntimeError):
-    """Raised by `stop_at_step` (tests of kill-and-resume)."""
 
 
 def sft_loss(graphdef, params, batch):
@@ -71,48 +65,24 @@ def run(cfg: RunConfig, workdir: Path, mesh, stop_at_step: int | None = None) ->
     state = TrainState.create(params, optimizer, cfg.seed)
     it = iter(data.sft_dataset(cfg.task, tok, scfg.seq_len, scfg.batch_size, cfg.seed))
 
-    ckpt = Checkpointer(sdir / "ckpt", cfg.ckpt.keep, cfg.ckpt.async_save)
-    writer = MetricsWriter(sdir / "metrics.jsonl", sdir / "tb" if cfg.tensorboard else None)
-    restored = ckpt.restore_latest(state)
-    if restored is not None:
-        step, state, meta = restored
-        it.set_state(meta["data"])
-        writer.truncate_after(step)
-
-    lr_at = schedule(scfg.optim, scfg.steps)
-    train_step = make_train_step(lambda p, b, _: sft_loss(graphdef, p, b), optimizer)
-    start = int(state.step)
-    bar = Progress(scfg.steps, start, "sft")
-    t0 = time.perf_counter()
-    try:
-        while (step := int(state.step)) < scfg.steps:
-            batch = sharding.shard_batch(next(it), mesh)
-            state, m = train_step(state, batch)
-            step += 1
-            check_nonfinite(state, cfg.max_nonfinite)
-            bar.update(1, scfg.batch_size * scfg.seq_len)
-            if step % scfg.log_every == 0 or step == scfg.steps:
-                rec = writer.write(step, {**m, "lr": lr_at(step - 1)})
-                bar.bar.set_postfix(loss=f"{rec['loss']:.4f}", refresh=False)
-            if step % cfg.ckpt.every == 0 or step == scfg.steps:
-                ckpt.save(step, state, {"data": it.get_state()})
-            if stop_at_step is not None and step >= stop_at_step:
-                raise Interrupted(f"stopped at step {step}")
-    finally:
-        bar.close()
-        ckpt.close()
-        writer.close()
-    train_time = time.perf_counter() - t0
-    steps_run = scfg.steps - start
+    res = fit(
+        "sft", sdir, cfg, state,
+        make_train_step(lambda p, b, _: sft_loss(graphdef, p, b), optimizer),
+        it, lambda batch: sharding.shard_batch(batch, mesh),
+        total_steps=scfg.steps, log_every=scfg.log_every,
+        tokens_per_step=scfg.batch_size * scfg.seq_len,
+        lr_at=schedule(scfg.optim, scfg.steps), stop_at_step=stop_at_step,
+    )  # fmt: skip
+    state = res.state
     summary = {
         "stage": "sft",
         "steps": scfg.steps,
         "params": model.num_params(state.params),
-        "final_loss": float(m["loss"]) if steps_run else None,
-        "tokens_per_s": steps_run * scfg.batch_size * scfg.seq_len / train_time
-        if steps_run
+        "final_loss": res.last_metrics.get("loss"),
+        "tokens_per_s": res.steps_run * scfg.batch_size * scfg.seq_len / res.train_time_s
+        if res.steps_run
         else None,
-        "train_time_s": train_time,
+        "train_time_s": res.train_time_s,
         **evaluate(graphdef, state.params, cfg, tok),
     }
     (sdir / "summary.json").write_text(json.dumps(summary, indent=2))
@@ -122,13 +92,6 @@ def run(cfg: RunConfig, workdir: Path, mesh, stop_at_step: int | None = None) ->
 def load_policy(cfg: RunConfig, workdir: Path, mesh):
     """(graphdef, params) of the trained SFT policy, for the stages after SFT."""
     graphdef, abstract_params = model.abstract(cfg.model)
-    target = sharding.abstract_on_mesh(abstract_params, mesh)
-    ckpt = Checkpointer(Path(workdir) / "sft" / "ckpt", cfg.ckpt.keep, async_save=False)
     optimizer = make_optimizer(cfg.sft.optim, cfg.sft.steps)
-    abstract_state = jax.eval_shape(lambda p: TrainState.create(p, optimizer, cfg.seed), target)
-    abstract_state = abstract_state.replace(params=target)
-    restored = ckpt.restore_latest(abstract_state)
-    ckpt.close()
-    if restored is None:
-        raise FileNotFoundError(f"no SFT checkpoint under {Path(workdir) / 'sft' / 'ckpt'}")
-    return graphdef, restored[1].params
+    params = restore_params(Path(workdir) / "sft" / "ckpt", abstract_params, optimizer, mesh)
+    return graphdef, params

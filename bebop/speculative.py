@@ -301,3 +301,24 @@ def sample(pol_gd, pol_params, mtp_gd, mtp_params, prompt_BxP, prompt_lens_B, rn
 
 
 sample_jit = jax.jit(sample, static_argnames=("pol_gd", "mtp_gd", "scfg", "spec"))
+
+
+def summarize(out: SpecOutput) -> dict:
+    """Host-side acceptance figures of one speculative rollout (all rows pooled)."""
+    st = jax.device_get(out.stats)
+    lengths = jax.device_get(out.sample.lengths)
+    ent = jax.device_get(out.sample.entropy)
+    emitted = jnp.arange(ent.shape[1])[None] < lengths[:, None]
+    drafted = (st.status == ACCEPTED) | (st.status == REJECTED)
+    hist = st.accept_hist.sum(0)
+    attempts, accepts = st.attempts.sum(0), st.accepts.sum(0)
+    res = {
+        f"accept_rate_{k + 1}": float(accepts[k] / max(attempts[k], 1))
+        for k in range(len(attempts))
+    }
+    res["accept_rate"] = float(accepts.sum() / max(attempts.sum(), 1))
+    res["accept_len"] = float((hist * jnp.arange(1, len(hist) + 1)).sum() / max(hist.sum(), 1))
+    res["analytic_alpha"] = float((st.overlap * drafted).sum() / max(drafted.sum(), 1))
+    res["mean_entropy"] = float((ent * emitted).sum() / max(emitted.sum(), 1))
+    res["tokens"] = int(lengths.sum())
+    return res

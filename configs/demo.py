@@ -3,7 +3,8 @@
     python launch.py --config configs/demo.py            # full demo
     python launch.py --config configs/demo.py:runlocal   # CPU smoke run (well under 2 minutes)
 
-Stages: sft (supervised training of the demo policy). Later stages slot in after it.
+Stages: sft (supervised training of the demo policy) -> distill (its own samples) -> mtp
+(pre-RL MTP training with the end-to-end TV loss).
 """
 
 import ml_collections
@@ -16,7 +17,7 @@ def get_config(arg=None):
     a = parse_arg(arg, runlocal=False, digits=3)
     c = ml_collections.ConfigDict()
     c.seed = 0
-    c.stages = ("sft",)
+    c.stages = ("sft", "distill", "mtp")
     c.max_nonfinite = 5
     c.tensorboard = False
 
@@ -56,6 +57,34 @@ def get_config(arg=None):
             grad_clip=1.0,
         ),
     )
+    c.policy = dict(source="sft", path="")
+    c.rollout = dict(
+        temperature=1.0, top_p=1.0, top_k=0, max_new_tokens=48, mode="rejection", num_draft=3
+    )
+    c.distill = dict(num_samples=2048, batch_size=256, prompts="task")
+    c.mtp = dict(
+        num_layers=1,
+        train_steps=5,
+        loss="e2e_tv",
+        steps=300,
+        batch_size=32,
+        chunk=8192,
+        log_every=10,
+        eval_every=100,
+        eval_prompts=64,
+        eval_draft=3,
+        init_from="",
+        optim=dict(
+            lr=2e-3,
+            warmup_steps=20,
+            schedule="cosine",
+            min_lr_ratio=0.1,
+            weight_decay=0.0,
+            b1=0.9,
+            b2=0.95,
+            grad_clip=1.0,
+        ),
+    )
     c.ckpt = dict(every=100, keep=2, async_save=True)
     c.distributed = dict(coordinator_address="", num_processes=1, process_id=0, auto=False)
 
@@ -63,6 +92,8 @@ def get_config(arg=None):
         c.model.update(dim=64, num_layers=2, num_heads=4, num_kv_heads=2, head_dim=16, ffw_dim=192)
         c.task.digits = 2
         c.sft.update(steps=300, batch_size=32, eval_samples=128)
+        c.distill.update(num_samples=256)
+        c.mtp.update(steps=100, eval_every=50, eval_prompts=32)
         c.ckpt.every = 100
     return ml_collections.ConfigDict(c)
 

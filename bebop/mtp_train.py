@@ -1,0 +1,122 @@
+"""Stage `mtp`: train the MTP draft layer(s) once, before RL, on the policy's own samples.
+
+Backbone, embedding and head are frozen: the train state holds only the MTP parameters, the policy
+parameters ride in the batch (arguments, not compile-time constants) and every use of them is
+under `stop_gradient`. Each step: one policy forward for the hiddens -> `mtp.train_hidden` for
+`mtp.train_steps` recursive steps -> the loss named by `mtp.loss` (`mtp_losses.MTP_LOSSES`).
+Every `mtp.eval_every` steps the real speculative sampler (γ = `mtp.eval_draft`, `rejection` and
+`target_only`) runs on held-out prompts and logs per-position acceptance, accept length, mean
+policy entropy and the analytic acceptance Σ min(p, q) of the drafted positions.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import jax
+import jax.numpy as jnp
+from flax import nnx
+
+from bebop import distill, model, policies, prompts, sampling, sharding, speculative
+from bebop import mtp as mtp_lib
+from bebop.config import RunConfig
+from bebop.fit import fit, restore_params
+from bebop.mtp_losses import MTP_LOSSES
+from bebop.train import TrainState, make_optimizer, make_train_step, schedule
+
+
+def mtp_loss(pol_gd, mtp_gd, loss_name: str, train_steps: int, chunk: int, temperature: float):
+    loss_fn = MTP_LOSSES[loss_name]
+
+    def fn(mtp_params, batch, rng):
+        del rng
+        pol_params = jax.lax.stop_gradient(batch["policy"])
+        policy = nnx.merge(pol_gd, pol_params)
+        tokens_BxT = batch["tokens"]
+        positions = jnp.broadcast_to(jnp.arange(tokens_BxT.shape[1]), tokens_BxT.shape)
+        hidden_BxTxD = jax.lax.stop_gradient(policy.hidden(tokens_BxT, positions)[0])
+        draft_YxBxTxD = mtp_lib.train_hidden(
+            mtp_gd, mtp_params, pol_gd, pol_params, tokens_BxT, hidden_BxTxD, train_steps
+        )
+        return loss_fn(
+            draft_YxBxTxD, policy.final_norm(hidden_BxTxD), policy.head_matrix(), tokens_BxT,
+            batch["mask"], chunk=chunk, temperature=max(temperature, 1e-3),
+            accept_len=batch.get("accept_len"),
+        )  # fmt: skip
+
+    return fn
+
+
+def evaluate(pol, mtp, tok, cfg: RunConfig, prompt_ids, num_draft: int) -> dict:
+    """Real speculative rollouts on held-out prompts, both verification rules."""
+    scfg = distill.sampling_config(cfg, tok)
+    toks, lens = sampling.pad_prompts(prompt_ids, tok.pad_id)
+    res = {}
+    for rule in ("rejection", "target_only"):
+        out = speculative.sample_jit(
+            *pol, *mtp, toks, lens, jax.random.key(cfg.seed + 7), scfg,
+            speculative.SpecConfig(num_draft, rule),
+        )  # fmt: skip
+        res.update({f"{rule}/{k}": v for k, v in speculative.summarize(out).items()})
+    return res
+
+
+def init_mtp(cfg: RunConfig, pol_cfg, mesh):
+    """(graphdef, params) of a fresh MTP (or of `mtp.init_from`), on the mesh."""
+    graphdef, params = mtp_lib.init(pol_cfg, cfg.mtp.num_layers, cfg.seed + 100)
+    if cfg.mtp.init_from:
+        optimizer = make_optimizer(cfg.mtp.optim, cfg.mtp.steps)
+        params = restore_params(Path(cfg.mtp.init_from), params, optimizer, mesh)
+    return graphdef, sharding.place_state(params, mesh)
+
+
+def load_trained(cfg: RunConfig, workdir: Path, pol_cfg, mesh):
+    """(graphdef, params) of the MTP trained by this run's `mtp` stage."""
+    graphdef, abstract = nnx.split(
+        nnx.eval_shape(lambda: mtp_lib.MTP(pol_cfg, cfg.mtp.num_layers, nnx.Rngs(params=0)))
+    )
+    optimizer = make_optimizer(cfg.mtp.optim, cfg.mtp.steps)
+    params = restore_params(Path(workdir) / "mtp" / "ckpt", abstract, optimizer, mesh)
+    return graphdef, params
+
+
+def run(cfg: RunConfig, workdir: Path, mesh, stop_at_step: int | None = None) -> dict:
+    sdir = Path(workdir) / "mtp"
+    m = cfg.mtp
+    pol_gd, pol_params, tok = policies.load(cfg, workdir, mesh)
+    pol_cfg = model.graphdef_config(pol_gd, pol_params)
+    mtp_gd, mtp_params = init_mtp(cfg, pol_cfg, mesh)
+    optimizer = make_optimizer(m.optim, m.steps)
+    state = TrainState.create(mtp_params, optimizer, cfg.seed + 101)
+    loss_fn = mtp_loss(pol_gd, mtp_gd, m.loss, m.train_steps, m.chunk, cfg.rollout.temperature)
+    train_step = make_train_step(loss_fn, optimizer)
+    it = iter(distill.dataset(Path(workdir) / "distill", m.batch_size, cfg.seed))
+    seq_len = distill.DistillSource(Path(workdir) / "distill").tokens.shape[1]
+    eval_ids = prompts.prompt_ids(cfg, tok, m.eval_prompts, "eval", cfg.distill.prompts)
+
+    def eval_fn(state):
+        return evaluate(
+            (pol_gd, pol_params), (mtp_gd, state.params), tok, cfg, eval_ids, m.eval_draft
+        )
+
+    before = eval_fn(state)
+    res = fit(
+        "mtp", sdir, cfg, state, train_step, it,
+        lambda b: {**sharding.shard_batch(b, mesh), "policy": pol_params},
+        total_steps=m.steps, log_every=m.log_every, tokens_per_step=m.batch_size * seq_len,
+        lr_at=schedule(m.optim, m.steps), eval_fn=eval_fn, eval_every=m.eval_every,
+        stop_at_step=stop_at_step,
+    )  # fmt: skip
+    after = res.last_eval or eval_fn(res.state)
+    summary = {
+        "stage": "mtp",
+        "loss": m.loss,
+        "steps": m.steps,
+        "final_loss": res.last_metrics.get("loss"),
+        "train_time_s": res.train_time_s,
+        "before": before,
+        "after": after,
+    }
+    (sdir / "summary.json").write_text(json.dumps(summary, indent=2))
+    return summary

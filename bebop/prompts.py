@@ -1,0 +1,68 @@
+"""Prompt sets, generated in code (no downloads at run time).
+
+`task`: the demo task's problems (`bebop/rl/tasks.py`), one stream per use so that distillation,
+evaluation and RL never share prompts. `mixed`: real-text requests for a chat model such as
+SmolLM2, a third each of instructions, maths word problems and code requests, built from
+templates and word lists with a seeded generator.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+from bebop.config import RunConfig
+from bebop.rl import tasks
+
+STREAMS = {"distill": 11, "eval": 1_000_003, "rl": 23, "bench": 37}
+
+_TOPICS = ["the ocean", "autumn leaves", "a lighthouse", "friendship", "the night sky",
+           "a busy city", "mountains", "a small robot", "rain",
+           "the first day of school"]  # fmt: skip
+_CONCEPTS = ["photosynthesis", "gravity", "how vaccines work", "why the sky is blue",
+             "compound interest", "the water cycle", "how a bicycle stays upright",
+             "what a prime number is", "how computers store numbers", "the seasons"]  # fmt: skip
+_INSTRUCTIONS = ["Write a short poem about {t}.", "Explain {c} to a ten-year-old.",
+                 "Give three tips for learning about {c}.", "Write a two-sentence story about {t}.",
+                 "Summarize {c} in one paragraph.",
+                 "List five words that describe {t}."]  # fmt: skip
+_NAMES = ["Ava", "Liam", "Maya", "Noah", "Zoe", "Omar", "Lena", "Ravi"]
+_ITEMS = ["apples", "marbles", "stickers", "books", "cookies", "pencils"]
+_MATHS = ["{n} has {a} {i} and buys {b} more. How many {i} does {n} have now?",
+          "{n} had {a} {i} and gave away {b}. How many {i} are left?",
+          "A box holds {a} {i}. How many {i} are in {b} boxes?",
+          "{n} shares {p} {i} equally among {b} friends. How many does each get?"]  # fmt: skip
+_CODE = ["Write a Python function that returns the {k} of a list of numbers.",
+         "Write a Python function that checks whether a string is a {w}.",
+         "Write a JavaScript function that {j}.",
+         "Explain what this Python code does: `sum(x * x for x in range({a}))`"]  # fmt: skip
+_K = ["sum", "average", "largest element", "median", "product"]
+_W = ["palindrome", "valid email address", "number", "title-cased sentence"]
+_J = ["reverses a string", "counts the vowels in a word", "removes duplicates from an array"]
+
+
+def mixed_prompt(rng: np.random.Generator) -> str:
+    kind = rng.integers(3)
+    pick = lambda xs: xs[rng.integers(len(xs))]  # noqa: E731
+    if kind == 0:
+        return pick(_INSTRUCTIONS).format(t=pick(_TOPICS), c=pick(_CONCEPTS))
+    a, b = int(rng.integers(2, 50)), int(rng.integers(2, 12))
+    if kind == 1:
+        return pick(_MATHS).format(n=pick(_NAMES), i=pick(_ITEMS), a=a, b=b, p=a * b)
+    return pick(_CODE).format(k=pick(_K), w=pick(_W), j=pick(_J), a=a)
+
+
+def prompt_ids(cfg: RunConfig, tok, n: int, stream: str, kind: str = "task") -> list[list[int]]:
+    """`n` tokenized prompts of the given kind from one stream."""
+    seed = cfg.seed + STREAMS[stream]
+    if kind == "task":
+        probs = [tasks.problem_at(cfg.task, seed, i) for i in range(n)]
+        return [task_prompt_ids(tok, p) for p in probs]
+    rng = np.random.default_rng(seed)
+    return [tok.chat([{"role": "user", "content": mixed_prompt(rng)}]) for _ in range(n)]
+
+
+def task_prompt_ids(tok, problem: tasks.Problem) -> list[int]:
+    """Char-level demo policies see the raw prompt; chat models get it as a user message."""
+    if hasattr(tok, "alphabet"):
+        return tok.encode(problem.prompt, bos=True)
+    return tok.chat([{"role": "user", "content": f"Compute {problem.prompt[:-1]}."}])
