@@ -3,7 +3,7 @@
 One checkpoint holds the train-state pytree (`state`) and a JSON side-car (`meta`: data-iterator
 state, versions, anything small). `restore_latest` tries steps from newest to oldest: a step folder
 that looks finalized but is partial or corrupt is renamed to `corrupt-<step>` (kept for inspection,
-no longer counted by `max_to_keep`) and the next older one is tried.
+no longer counted by `max_to_keep`) once an older one restores.
 """
 
 from __future__ import annotations
@@ -15,6 +15,10 @@ import jax
 import orbax.checkpoint as ocp
 
 log = logging.getLogger(__name__)
+
+
+class CheckpointRestoreError(RuntimeError):
+    pass
 
 
 class Checkpointer:
@@ -36,22 +40,36 @@ class Checkpointer:
     def restore_latest(self, abstract_state):
         """Returns (step, state, meta) of the newest restorable step, or None if there is none.
 
-        `abstract_state` is a pytree of `jax.ShapeDtypeStruct` (with shardings) or arrays.
+        `abstract_state` is a pytree of `jax.ShapeDtypeStruct` (with shardings) or arrays. Steps
+        newer than the one restored are quarantined. If no step restores, nothing is touched and
+        `CheckpointRestoreError` is raised (most likely the config changed: starting afresh
+        silently would hide it).
         """
         self.manager.wait_until_finished()
+        target = jax.tree.map(ocp.utils.to_shape_dtype_struct, abstract_state)
+        failed = []
         for step in sorted(self.manager.all_steps(), reverse=True):
             try:
-                target = jax.tree.map(ocp.utils.to_shape_dtype_struct, abstract_state)
                 restored = self.manager.restore(
                     step,
                     args=ocp.args.Composite(
                         state=ocp.args.StandardRestore(target), meta=ocp.args.JsonRestore()
                     ),
                 )
-                return step, restored["state"], restored["meta"]
             except Exception as e:  # noqa: BLE001 - any failure means: try an older step
                 log.warning("checkpoint step %d is unreadable (%s); trying an older one", step, e)
-                self._quarantine(step)
+                failed.append((step, e))
+                continue
+            for bad, _ in failed:
+                self._quarantine(bad)
+            return step, restored["state"], restored["meta"]
+        if failed:
+            step, e = failed[0]
+            raise CheckpointRestoreError(
+                f"no checkpoint under {self.directory} restores into the current train state "
+                f"(newest, step {step}: {type(e).__name__}: {str(e)[:300]}). If the config "
+                f"changed, use a new --workdir."
+            ) from e
         return None
 
     def _quarantine(self, step: int) -> None:

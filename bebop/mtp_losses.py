@@ -214,9 +214,10 @@ def dca_loss(draft, target, head, tokens, mask, chunk=8192, temperature=1.0, acc
     a, valid = _alphas(inputs, head, chunk, temperature, inputs[3].shape)
     prods, anchor_ok = _chains(a, valid)
     y = a.shape[0]
-    if accept_len is not None:
+    if accept_len is not None:  # only anchors that seeded a verify cycle, gated by its outcome
         gate = jnp.arange(1, y + 1)[:, None, None] <= accept_len[None]
         prods = jnp.where(gate, prods, 0.0)
+        anchor_ok = anchor_ok & (accept_len > 0)
     loss = -jnp.log(jnp.maximum(prods.sum(0), 1e-9))
     return _masked_mean(loss, anchor_ok), _per_step_metrics(a, valid)
 

@@ -9,10 +9,11 @@ from pathlib import Path
 
 from bebop import distill, mtp_train, sft
 from bebop.config import RunConfig
+from bebop.rl import stage as rl_stage
 
 log = logging.getLogger(__name__)
 
-STAGES = {"sft": sft.run, "distill": distill.run, "mtp": mtp_train.run}
+STAGES = {"sft": sft.run, "distill": distill.run, "mtp": mtp_train.run, "rl": rl_stage.run}
 
 
 def run(cfg: RunConfig, workdir: Path, mesh) -> dict:

@@ -52,6 +52,7 @@ REJECTED, ACCEPTED, UNDRAFTED = 0, 1, 2
 class SpecConfig:
     num_draft: int = 3  # Y (γ)
     rule: str = "rejection"  # a key of DRAFT_RULES
+    record: bool = False  # also return backbone hiddens and per-cycle accept lengths (GrowMTP)
 
 
 def _draft_rejection(key, logq_BxV, cfg: SamplingConfig):
@@ -83,6 +84,11 @@ class SpecStats:
 class SpecOutput:
     sample: SampleOutput
     stats: SpecStats
+    # With SpecConfig.record, by absolute position (prompt + response): the backbone hidden
+    # verification computed [B, P+N, D], and at each cycle's anchor (the position before its
+    # pending token) the number of tokens that cycle's verify accepted + 1, else 0 [B, P+N].
+    hidden: jax.Array | None = None
+    cycle_len: jax.Array | None = None
 
 
 @struct.dataclass
@@ -98,12 +104,17 @@ class _State:
     rng: jax.Array
     out: SampleOutput  # width N + W so per-row writes never clamp
     stats: SpecStats
+    hid_buf: jax.Array | None  # [B, P+N+W, D] when recording
+    cyc_buf: jax.Array | None  # [B, P+N+W]
 
 
 def _write_rows(buf_BxM, new_BxW, offsets_B):
-    return jax.vmap(lambda b, n, o: jax.lax.dynamic_update_slice(b, n.astype(b.dtype), (o,)))(
-        buf_BxM, new_BxW, offsets_B
-    )
+    """Per-row write of `new` at the row's offset along axis 1 (trailing axes whole)."""
+
+    def one(b, n, o):
+        return jax.lax.dynamic_update_slice(b, n.astype(b.dtype), (o,) + (0,) * (b.ndim - 1))
+
+    return jax.vmap(one)(buf_BxM, new_BxW, offsets_B)
 
 
 def _take(x_BxT, idx_B):
@@ -176,9 +187,13 @@ def sample(pol_gd, pol_params, mtp_gd, mtp_params, prompt_BxP, prompt_lens_B, rn
         overlap=zeros_f,
     )
     done_B = is_eos(first_B, scfg.eos_ids) | (n <= 1)
+    hid_buf = cyc_buf = None
+    if spec.record:
+        hid_buf = jnp.zeros((b, max_len, policy.cfg.dim), hid_BxPxD.dtype).at[:, :p].set(hid_BxPxD)
+        cyc_buf = jnp.zeros((b, max_len), jnp.int32)
     state = _State(
         jnp.int32(0), tcache, mcache, first_B, catch_hid, catch_tok, jnp.ones((b,), jnp.int32),
-        done_B, rng, out, stats,
+        done_B, rng, out, stats, hid_buf, cyc_buf,
     )  # fmt: skip
 
     def body(s: _State) -> _State:
@@ -276,9 +291,14 @@ def sample(pol_gd, pol_params, mtp_gd, mtp_params, prompt_BxP, prompt_lens_B, rn
         # 6. roll back: the policy keeps pending + accepted drafts; z becomes the pending token.
         new_c_B = jnp.where(live_B, c_B + n_acc_B + 1, c_B)
         tcache = tcache.rollback(new_c_B)
+        hid_buf, cyc_buf = s.hid_buf, s.cyc_buf
+        if spec.record:  # done rows write into the spare last slot
+            hid_buf = _write_rows(hid_buf, t_hid_BxWxD, jnp.where(live_B, c_B, max_len - w))
+            anchor_B = jnp.where(live_B, c_B - 1, max_len - 1)
+            cyc_buf = _write_rows(cyc_buf, (n_acc_B + 1)[:, None], anchor_B)
         return _State(
             s.step + 1, tcache, mcache, jnp.where(live_B, z_B, s.pending_B), t_hid_BxWxD,
-            emit_BxW, jnp.where(live_B, n_acc_B + 1, 0), finished_B, rng, o, st,
+            emit_BxW, jnp.where(live_B, n_acc_B + 1, 0), finished_B, rng, o, st, hid_buf, cyc_buf,
         )  # fmt: skip
 
     def cond(s: _State):
@@ -297,7 +317,9 @@ def sample(pol_gd, pol_params, mtp_gd, mtp_params, prompt_BxP, prompt_lens_B, rn
         status=jnp.where(mask_BxN, st.status[:, :n], -1),
         overlap=jnp.where(mask_BxN, st.overlap[:, :n], 0.0),
     )
-    return SpecOutput(sample_out, stats)
+    if not spec.record:
+        return SpecOutput(sample_out, stats)
+    return SpecOutput(sample_out, stats, final.hid_buf[:, : p + n], final.cyc_buf[:, : p + n])
 
 
 sample_jit = jax.jit(sample, static_argnames=("pol_gd", "mtp_gd", "scfg", "spec"))

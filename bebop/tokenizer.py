@@ -13,7 +13,7 @@ import re
 from collections.abc import Sequence
 from pathlib import Path
 
-DEMO_ALPHABET = "0123456789+-*=,>?: \n"
+DEMO_ALPHABET = "0123456789+-*/=()<>,;?: \n"
 
 
 def render_chatml(messages: Sequence[dict], default_system: str | None, add_generation_prompt=True):

@@ -70,7 +70,7 @@ def _select(ok, new, old):
 
 
 def make_train_step(
-    loss_fn: Callable, optimizer: optax.GradientTransformation, donate: bool = True
+    loss_fn: Callable, optimizer: optax.GradientTransformation, donate: bool = True, jit=True
 ) -> Callable:
     def train_step(state: TrainState, batch):
         rng, key = jax.random.split(jax.random.wrap_key_data(state.rng))
@@ -90,6 +90,8 @@ def make_train_step(
         metrics = {"loss": loss, "grad_norm": grad_norm, "skipped": (~ok).astype(jnp.int32)}
         return new_state, {**metrics, **aux}
 
+    if not jit:  # to be composed inside another jitted function
+        return train_step
     return jax.jit(train_step, donate_argnums=(0,) if donate else ())
 
 

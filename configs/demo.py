@@ -17,7 +17,7 @@ def get_config(arg=None):
     a = parse_arg(arg, runlocal=False, digits=3)
     c = ml_collections.ConfigDict()
     c.seed = 0
-    c.stages = ("sft", "distill", "mtp")
+    c.stages = ("sft", "distill", "mtp", "rl")
     c.max_nonfinite = 5
     c.tensorboard = False
 
@@ -85,6 +85,45 @@ def get_config(arg=None):
             grad_clip=1.0,
         ),
     )
+    c.rl = dict(
+        steps=40,
+        prompts_per_step=16,
+        group_size=8,
+        clip_low=0.2,
+        clip_high=0.28,
+        kl_coef=0.0,
+        std_norm=True,
+        loss_agg="token",
+        max_staleness=1,
+        mtp_strategy="frozen",
+        mtp_loss="e2e_tv",
+        mtp_every=1,
+        reward_timeout_s=30.0,
+        reward_retries=1,
+        log_every=1,
+        eval_samples=512,
+        speedup_repeats=2,
+        optim=dict(
+            lr=3e-5,
+            warmup_steps=0,
+            schedule="constant",
+            min_lr_ratio=1.0,
+            weight_decay=0.0,
+            b1=0.9,
+            b2=0.99,
+            grad_clip=1.0,
+        ),
+        mtp_optim=dict(
+            lr=3e-4,
+            warmup_steps=10,
+            schedule="cosine",
+            min_lr_ratio=0.1,
+            weight_decay=0.0,
+            b1=0.9,
+            b2=0.95,
+            grad_clip=1.0,
+        ),
+    )
     c.ckpt = dict(every=100, keep=2, async_save=True)
     c.distributed = dict(coordinator_address="", num_processes=1, process_id=0, auto=False)
 
@@ -94,6 +133,7 @@ def get_config(arg=None):
         c.sft.update(steps=300, batch_size=32, eval_samples=128)
         c.distill.update(num_samples=256)
         c.mtp.update(steps=100, eval_every=50, eval_prompts=32)
+        c.rl.update(steps=10, prompts_per_step=8, eval_samples=128)
         c.ckpt.every = 100
     return ml_collections.ConfigDict(c)
 

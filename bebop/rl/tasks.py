@@ -69,3 +69,158 @@ def reward(text: str, answer: int) -> float:
 def problem_at(cfg: TaskConfig, seed: int, index: int) -> Problem:
     """Deterministic problem `index` of the stream `seed` (random access, for grain)."""
     return make_problem(np.random.default_rng([seed, index]), cfg.digits)
+
+
+# ----------------------------------------------------------------------------- countdown
+
+
+@dataclasses.dataclass(frozen=True)
+class CountdownProblem:
+    prompt: str
+    numbers: tuple[int, ...]
+    target: int
+
+
+def make_countdown(rng: np.random.Generator, num_numbers: int) -> CountdownProblem:
+    """Numbers 1..25; the target is reached by a random +,-,* combination of all of them (so a
+    solution exists). Prompt: '3,7,9>24?'"""
+    nums = [int(x) for x in rng.integers(1, 26, size=num_numbers)]
+    value = nums[0]
+    for x in nums[1:]:
+        op = rng.integers(3)
+        value = value + x if op == 0 else abs(value - x) if op == 1 else value * x
+    prompt = ",".join(map(str, nums)) + f">{value}?"
+    return CountdownProblem(prompt, tuple(nums), value)
+
+
+_EXPR_MAX = 200
+
+
+def evaluate_expression(text: str) -> int | None:
+    """Integer value of an arithmetic expression over + - * / and parentheses, parsed by a
+    recursive-descent parser (never `eval`). Division must be exact. Returns None on anything
+    malformed, too long (> 200 chars), too deep, or with intermediate values beyond 10**12."""
+    if len(text) > _EXPR_MAX:
+        return None
+    toks = re.findall(r"\d+|[-+*/()]|\S", text)
+    pos = 0
+
+    def peek():
+        return toks[pos] if pos < len(toks) else None
+
+    def take():
+        nonlocal pos
+        pos += 1
+        return toks[pos - 1]
+
+    def check(v):
+        if v is None or abs(v) > 10**12:
+            raise ValueError
+        return v
+
+    def atom(depth):
+        if depth > 20:
+            raise ValueError
+        t = take() if peek() is not None else None
+        if t == "(":
+            v = expr(depth + 1)
+            if take() != ")":
+                raise ValueError
+            return v
+        if t == "-":
+            return -atom(depth + 1)
+        if t is not None and t.isdigit() and t.isascii():
+            return int(t)
+        raise ValueError
+
+    def term(depth):
+        v = atom(depth)
+        while peek() in ("*", "/"):
+            op, r = take(), atom(depth)
+            if op == "*":
+                v = check(v * r)
+            elif r == 0 or v % r:
+                raise ValueError
+            else:
+                v //= r
+        return v
+
+    def expr(depth):
+        v = term(depth)
+        while peek() in ("+", "-"):
+            op, r = take(), term(depth)
+            v = check(v + r if op == "+" else v - r)
+        return v
+
+    try:
+        value = expr(0)
+    except (ValueError, IndexError):
+        return None
+    return value if pos == len(toks) else None
+
+
+def countdown_reward(text: str, problem: CountdownProblem) -> float:
+    """1 if the expression after the last '>' uses each given number at most once and equals
+    the target."""
+    expr = text.rpartition(">")[2].strip() if ">" in text else text.strip()
+    used = [int(x) for x in re.findall(r"\d+", expr)]
+    pool = list(problem.numbers)
+    for u in used:
+        if u not in pool:
+            return 0.0
+        pool.remove(u)
+    return 1.0 if used and evaluate_expression(expr) == problem.target else 0.0
+
+
+# ----------------------------------------------------------------------------- GSM8K-style
+
+
+@dataclasses.dataclass(frozen=True)
+class WordProblem:
+    question: str
+    answer: float
+
+
+def load_gsm8k_jsonl(path) -> list[WordProblem]:
+    """GSM8K-style JSONL: {"question": ..., "answer": "... #### 42"} (or a bare number)."""
+    import json
+    from pathlib import Path
+
+    out = []
+    for i, line in enumerate(Path(path).read_text().splitlines()):
+        if not line.strip():
+            continue
+        rec = json.loads(line)
+        if "question" not in rec or "answer" not in rec:
+            raise ValueError(f"{path}:{i + 1}: needs 'question' and 'answer' fields")
+        ans = extract_number(str(rec["answer"]).rpartition("####")[2])
+        if ans is None:
+            raise ValueError(f"{path}:{i + 1}: no numeric final answer in {rec['answer']!r}")
+        out.append(WordProblem(rec["question"], ans))
+    return out
+
+
+_NUMBER = re.compile(r"-?[0-9][0-9,]*(?:\.[0-9]+)?")
+
+
+def extract_number(text: str) -> float | None:
+    """The final numeric answer of a completion: after '####' if present, else inside the last
+    \\boxed{...}, else the last number in the text. ASCII digits only; commas are thousands
+    separators; at most 40 characters per number."""
+    text = text[-2000:]
+    if "####" in text:
+        text = text.rpartition("####")[2]
+    elif "\\boxed{" in text:
+        text = text.rpartition("\\boxed{")[2].partition("}")[0]
+    nums = [m.group(0) for m in _NUMBER.finditer(text) if len(m.group(0)) <= 40]
+    if not nums:
+        return None
+    try:
+        return float(nums[-1].replace(",", ""))
+    except ValueError:
+        return None
+
+
+def gsm8k_reward(text: str, problem: WordProblem) -> float:
+    got = extract_number(text)
+    return 1.0 if got is not None and abs(got - problem.answer) < 1e-6 else 0.0
