@@ -88,7 +88,9 @@ def run(cfg: RunConfig, workdir: Path, mesh, stop_at_step: int | None = None) ->
     pol_cfg = model.graphdef_config(pol_gd, pol_params)
     mtp_gd, mtp_params = init_mtp(cfg, pol_cfg, mesh)
     optimizer = make_optimizer(m.optim, m.steps)
-    state = TrainState.create(mtp_params, optimizer, cfg.seed + 101)
+    state = sharding.replicate_unplaced(
+        TrainState.create(mtp_params, optimizer, cfg.seed + 101), mesh
+    )
     loss_fn = mtp_loss(pol_gd, mtp_gd, m.loss, m.train_steps, m.chunk, cfg.rollout.temperature)
     train_step = make_train_step(loss_fn, optimizer)
     it = iter(distill.dataset(Path(workdir) / "distill", m.batch_size, cfg.seed))

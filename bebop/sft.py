@@ -62,7 +62,7 @@ def run(cfg: RunConfig, workdir: Path, mesh, stop_at_step: int | None = None) ->
     graphdef, params = model.init(cfg.model, cfg.seed)
     params = sharding.place_state(params, mesh)
     optimizer = make_optimizer(scfg.optim, scfg.steps)
-    state = TrainState.create(params, optimizer, cfg.seed)
+    state = sharding.replicate_unplaced(TrainState.create(params, optimizer, cfg.seed), mesh)
     it = iter(data.sft_dataset(cfg.task, tok, scfg.seq_len, scfg.batch_size, cfg.seed))
 
     res = fit(

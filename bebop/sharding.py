@@ -132,3 +132,16 @@ def shard_batch(batch, mesh: Mesh):
 
 def replicated(mesh: Mesh) -> NamedSharding:
     return NamedSharding(mesh, PartitionSpec())
+
+
+def replicate_unplaced(tree, mesh: Mesh):
+    """Leaves not laid out over `mesh` (step counters, RNG keys, optimizer counts) are put on it
+    replicated, so a train state and its restored copy live on one device set."""
+    devices, rep = set(mesh.devices.flat), replicated(mesh)
+
+    def one(x):
+        if isinstance(x, jax.Array) and x.sharding.device_set == devices:
+            return x
+        return jax.device_put(x, rep)
+
+    return jax.tree.map(one, tree)

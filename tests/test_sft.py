@@ -32,10 +32,11 @@ def _mesh():
 
 def test_kill_and_resume_matches_uninterrupted(tmp_path):
     cfg = _cfg()
-    full = sft.run(cfg, tmp_path / "full", _mesh())
+    mesh8 = sharding.make_mesh(config_lib.MeshConfig(data=8), jax.devices())  # restored state
+    full = sft.run(cfg, tmp_path / "full", mesh8)  # must land on the same devices as a fresh one
     with pytest.raises(sft.Interrupted):
-        sft.run(cfg, tmp_path / "cut", _mesh(), stop_at_step=6)  # last checkpoint: step 4
-    resumed = sft.run(cfg, tmp_path / "cut", _mesh())
+        sft.run(cfg, tmp_path / "cut", mesh8, stop_at_step=6)  # last checkpoint: step 4
+    resumed = sft.run(cfg, tmp_path / "cut", mesh8)
     a = read_jsonl(tmp_path / "full/sft/metrics.jsonl")
     b = read_jsonl(tmp_path / "cut/sft/metrics.jsonl")
     assert [r["step"] for r in b] == list(range(2, 13, 2))  # steps 5-6 were dropped and redone

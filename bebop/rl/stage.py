@@ -181,8 +181,12 @@ def run(cfg: RunConfig, workdir: Path, mesh, stop_at_step: int | None = None) ->
     acc_before = greedy_accuracy((pol_gd, pol_params), tok, task, cfg)
     opt = make_optimizer(rl.optim, rl.steps)
     mtp_opt = make_optimizer(rl.mtp_optim, rl.steps)
-    pol_state = TrainState.create(pol_params, opt, cfg.seed + 200)
-    mtp_state = TrainState.create(mtp_params, mtp_opt, cfg.seed + 201)
+    pol_state = sharding.replicate_unplaced(
+        TrainState.create(pol_params, opt, cfg.seed + 200), mesh
+    )
+    mtp_state = sharding.replicate_unplaced(
+        TrainState.create(mtp_params, mtp_opt, cfg.seed + 201), mesh
+    )
     versions = {"policy": 0, "mtp": 0}
 
     ckpt = Checkpointer(rdir / "ckpt", cfg.ckpt.keep, cfg.ckpt.async_save)
@@ -288,6 +292,31 @@ def run(cfg: RunConfig, workdir: Path, mesh, stop_at_step: int | None = None) ->
     summary = summarize(history, rl, acc_before, acc_after, rl_wall, timer.totals, speed)
     (rdir / "summary.json").write_text(json.dumps(summary, indent=2))
     return summary
+
+
+def load_trained(cfg: RunConfig, workdir: Path, mesh):
+    """(policy params, MTP params) from this run's `rl` checkpoints."""
+    pol_gd, abstract = model.abstract(cfg.model)
+    pol_params = sharding.abstract_on_mesh(abstract, mesh)
+    mtp_gd, mtp_abstract = nnx.split(
+        nnx.eval_shape(lambda: mtp_lib.MTP(cfg.model, cfg.mtp.num_layers, nnx.Rngs(params=0)))
+    )
+    mtp_params = sharding.abstract_on_mesh(mtp_abstract, mesh)
+    opt, mtp_opt = make_optimizer(cfg.rl.optim, cfg.rl.steps), make_optimizer(cfg.rl.mtp_optim, 1)
+
+    def states(p, m):
+        return {"policy": TrainState.create(p, opt, 0), "mtp": TrainState.create(m, mtp_opt, 0)}
+
+    target = jax.eval_shape(states, pol_params, mtp_params)
+    target["policy"] = target["policy"].replace(params=pol_params)
+    target["mtp"] = target["mtp"].replace(params=mtp_params)
+    ckpt = Checkpointer(Path(workdir) / "rl" / "ckpt", cfg.ckpt.keep, async_save=False)
+    restored = ckpt.restore_latest(target)
+    ckpt.close()
+    if restored is None:
+        raise FileNotFoundError(f"no RL checkpoint under {Path(workdir) / 'rl' / 'ckpt'}")
+    state = restored[1]
+    return state["policy"].params, state["mtp"].params
 
 
 def loop_interrupted(step: int):

@@ -102,7 +102,7 @@ def evaluate_expression(text: str) -> int | None:
     malformed, too long (> 200 chars), too deep, or with intermediate values beyond 10**12."""
     if len(text) > _EXPR_MAX:
         return None
-    toks = re.findall(r"\d+|[-+*/()]|\S", text)
+    toks = re.findall(r"[0-9]+|[-+*/()]|\S", text)
     pos = 0
 
     def peek():
@@ -163,7 +163,9 @@ def countdown_reward(text: str, problem: CountdownProblem) -> float:
     """1 if the expression after the last '>' uses each given number at most once and equals
     the target."""
     expr = text.rpartition(">")[2].strip() if ">" in text else text.strip()
-    used = [int(x) for x in re.findall(r"\d+", expr)]
+    if len(expr) > _EXPR_MAX:
+        return 0.0
+    used = [int(x) for x in re.findall(r"[0-9]+", expr)]
     pool = list(problem.numbers)
     for u in used:
         if u not in pool:
