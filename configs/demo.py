@@ -35,7 +35,7 @@ def get_config(arg=None):
         qk_norm=True,
         tie_embeddings=True,
         dtype="float32",
-        scan_layers=False,
+        scan_layers=True,
         init_std=0.02,
     )
     c.mesh = dict(data=-1, fsdp=1, tensor=1)

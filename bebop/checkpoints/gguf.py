@@ -78,7 +78,7 @@ def _fields(reader) -> dict:
     return out
 
 
-def read(path, dtype="float32", scan_layers=False):
+def read(path, dtype="float32", scan_layers=True):
     """(ModelConfig, {HF name: float32 array}, tokenizer) from a llama-architecture GGUF."""
     import gguf
 
@@ -135,7 +135,7 @@ def read(path, dtype="float32", scan_layers=False):
     return cfg, arrays, BPETokenizer.from_gguf_fields(meta)
 
 
-def load(path, mesh, dtype="float32", scan_layers=False):
+def load(path, mesh, dtype="float32", scan_layers=True):
     """(hf.Loaded, tokenizer) with the parameters placed on `mesh`."""
     cfg, arrays, tok = read(path, dtype, scan_layers)
     return hf.load_source(hf.ArraySource(arrays, str(path)), cfg, mesh), tok

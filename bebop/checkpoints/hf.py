@@ -47,7 +47,7 @@ class Loaded:
 # ----------------------------------------------------------------------------- config
 
 
-def config_from_hf(hf: dict, source: str = "config.json", dtype="float32", scan_layers=False):
+def config_from_hf(hf: dict, source: str = "config.json", dtype="float32", scan_layers=True):
     model_type = hf.get("model_type")
     if model_type not in ARCHITECTURES:
         raise CheckpointError(
@@ -282,7 +282,7 @@ def _count_mtp_layers(all_names, fmt, num_policy_layers) -> int:
     return max(n, 1)
 
 
-def load(directory, mesh, dtype="float32", scan_layers=False) -> Loaded:
+def load(directory, mesh, dtype="float32", scan_layers=True) -> Loaded:
     directory = Path(directory)
     cfg_path = directory / "config.json"
     if not cfg_path.exists():
