@@ -218,6 +218,10 @@ class MTPConfig:
     num_layers: int = 1  # distinct MTP layers n; draft step i uses layer (i - 1) mod n
     train_steps: int = 5  # γ_train: recursive steps trained
     loss: str = "e2e_tv"  # a key of mtp_losses.MTP_LOSSES
+    # From random init, TV-type losses learn slowly (their gradient is bounded by q, ~0 on the
+    # tail): the first `warmup_loss_steps` steps use `warmup_loss` instead (0 = off).
+    warmup_loss: str = "kl"
+    warmup_loss_steps: int = 0
     steps: int = 300
     batch_size: int = 32
     chunk: int = 8192  # vocabulary chunk of the losses
@@ -233,6 +237,10 @@ class MTPConfig:
         _positive(self, p, "log_every", "eval_prompts", "eval_draft")
         losses = ("ce", "kl", "reverse_kl", "tv", "e2e_tv", "dca")
         _require(self.loss in losses, p + "loss", f"unknown {self.loss!r}; known: {losses}")
+        _require(self.warmup_loss in losses, p + "warmup_loss", f"unknown {self.warmup_loss!r}")
+        _require(
+            0 <= self.warmup_loss_steps <= self.steps, p + "warmup_loss_steps", "in [0, steps]"
+        )
         self.optim.validate(p + "optim.")
 
 

@@ -91,8 +91,18 @@ def run(cfg: RunConfig, workdir: Path, mesh, stop_at_step: int | None = None) ->
     state = sharding.replicate_unplaced(
         TrainState.create(mtp_params, optimizer, cfg.seed + 101), mesh
     )
-    loss_fn = mtp_loss(pol_gd, mtp_gd, m.loss, m.train_steps, m.chunk, cfg.rollout.temperature)
-    train_step = make_train_step(loss_fn, optimizer)
+    steps = {
+        name: make_train_step(
+            mtp_loss(pol_gd, mtp_gd, name, m.train_steps, m.chunk, cfg.rollout.temperature),
+            optimizer,
+        )
+        for name in {m.loss, m.warmup_loss}
+    }
+
+    def train_step(state, batch):  # the warm-up loss for the first warmup_loss_steps steps
+        name = m.warmup_loss if int(state.step) < m.warmup_loss_steps else m.loss
+        return steps[name](state, batch)
+
     it = iter(distill.dataset(Path(workdir) / "distill", m.batch_size, cfg.seed))
     seq_len = distill.DistillSource(Path(workdir) / "distill").tokens.shape[1]
     eval_ids = prompts.prompt_ids(cfg, tok, m.eval_prompts, "eval", cfg.distill.prompts)
@@ -114,6 +124,7 @@ def run(cfg: RunConfig, workdir: Path, mesh, stop_at_step: int | None = None) ->
     summary = {
         "stage": "mtp",
         "loss": m.loss,
+        "warmup": f"{m.warmup_loss} x {m.warmup_loss_steps} steps" if m.warmup_loss_steps else None,
         "steps": m.steps,
         "final_loss": res.last_metrics.get("loss"),
         "train_time_s": res.train_time_s,

@@ -41,7 +41,7 @@ def get_config(arg=None):
     c.mesh = dict(data=-1, fsdp=1, tensor=1)
     c.task = dict(name="arithmetic", digits=a.digits, noise=0.05)
     c.sft = dict(
-        steps=300,
+        steps=150,
         batch_size=32,
         seq_len=48,
         log_every=10,
@@ -59,14 +59,16 @@ def get_config(arg=None):
     )
     c.policy = dict(source="sft", path="")
     c.rollout = dict(
-        temperature=1.0, top_p=1.0, top_k=0, max_new_tokens=48, mode="rejection", num_draft=3
+        temperature=1.0, top_p=1.0, top_k=0, max_new_tokens=48, mode="rejection", num_draft=2
     )
-    c.distill = dict(num_samples=2048, batch_size=256, prompts="task")
+    c.distill = dict(num_samples=1024, batch_size=256, prompts="task")
     c.mtp = dict(
         num_layers=1,
         train_steps=5,
         loss="e2e_tv",
-        steps=300,
+        warmup_loss="kl",
+        warmup_loss_steps=100,
+        steps=200,
         batch_size=32,
         chunk=8192,
         log_every=10,
@@ -86,7 +88,7 @@ def get_config(arg=None):
         ),
     )
     c.rl = dict(
-        steps=40,
+        steps=30,
         prompts_per_step=16,
         group_size=8,
         clip_low=0.2,
@@ -132,7 +134,7 @@ def get_config(arg=None):
         c.task.digits = 2
         c.sft.update(steps=300, batch_size=32, eval_samples=128)
         c.distill.update(num_samples=256)
-        c.mtp.update(steps=100, eval_every=50, eval_prompts=32)
+        c.mtp.update(steps=100, warmup_loss_steps=50, eval_every=50, eval_prompts=32)
         c.rl.update(steps=10, prompts_per_step=8, eval_samples=128)
         c.ckpt.every = 100
     return ml_collections.ConfigDict(c)
