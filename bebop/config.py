@@ -109,13 +109,13 @@ class OptimConfig:
 class TaskConfig:
     """Verifiable task (see `bebop/rl/tasks.py`)."""
 
-    name: str = "arithmetic"  # arithmetic | countdown | gsm8k
+    name: str = "arithmetic"  # arithmetic | countdown | gsm8k | wordmath
     digits: int = 2  # difficulty knob: operand digits (arithmetic), numbers - 1 (countdown)
     noise: float = 0.05  # fraction of SFT examples whose final answer is corrupted
     path: str = ""  # gsm8k: a JSONL file of {"question", "answer"}
 
     def validate(self, p: str = "task.") -> None:
-        names = ("arithmetic", "countdown", "gsm8k")
+        names = ("arithmetic", "countdown", "gsm8k", "wordmath")
         _require(self.name in names, p + "name", f"unknown task {self.name!r}; known: {names}")
         _require(1 <= self.digits <= 6, p + "digits", "must be in [1, 6]")
         _require(0.0 <= self.noise < 1.0, p + "noise", "must be in [0, 1)")

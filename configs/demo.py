@@ -11,6 +11,7 @@ import ml_collections
 
 from bebop.config import parse_arg
 from bebop.tokenizer import CharTokenizer
+from configs.common import optim
 
 
 def get_config(arg=None):
@@ -46,16 +47,7 @@ def get_config(arg=None):
         seq_len=48,
         log_every=10,
         eval_samples=512,
-        optim=dict(
-            lr=2e-3,
-            warmup_steps=30,
-            schedule="cosine",
-            min_lr_ratio=0.05,
-            weight_decay=0.01,
-            b1=0.9,
-            b2=0.95,
-            grad_clip=1.0,
-        ),
+        optim=optim(2e-3, warmup=30, min_ratio=0.05, wd=0.01),
     )
     c.policy = dict(source="sft", path="")
     c.rollout = dict(
@@ -76,16 +68,7 @@ def get_config(arg=None):
         eval_prompts=64,
         eval_draft=3,
         init_from="",
-        optim=dict(
-            lr=2e-3,
-            warmup_steps=20,
-            schedule="cosine",
-            min_lr_ratio=0.1,
-            weight_decay=0.0,
-            b1=0.9,
-            b2=0.95,
-            grad_clip=1.0,
-        ),
+        optim=optim(2e-3, warmup=20),
     )
     c.rl = dict(
         steps=30,
@@ -105,26 +88,8 @@ def get_config(arg=None):
         log_every=1,
         eval_samples=512,
         speedup_repeats=2,
-        optim=dict(
-            lr=3e-5,
-            warmup_steps=0,
-            schedule="constant",
-            min_lr_ratio=1.0,
-            weight_decay=0.0,
-            b1=0.9,
-            b2=0.99,
-            grad_clip=1.0,
-        ),
-        mtp_optim=dict(
-            lr=3e-4,
-            warmup_steps=10,
-            schedule="cosine",
-            min_lr_ratio=0.1,
-            weight_decay=0.0,
-            b1=0.9,
-            b2=0.95,
-            grad_clip=1.0,
-        ),
+        optim=optim(3e-5, schedule="constant", min_ratio=1.0, b2=0.99),
+        mtp_optim=optim(3e-4, warmup=10),  # GrowMTP's recipe
     )
     c.ckpt = dict(every=100, keep=2, async_save=True)
     c.distributed = dict(coordinator_address="", num_processes=1, process_id=0, auto=False)

@@ -71,7 +71,19 @@ def _gsm8k(cfg: TaskConfig) -> Task:
     )
 
 
-TASKS = {"arithmetic": _arith, "countdown": _countdown, "gsm8k": _gsm8k}
+def _wordmath(cfg: TaskConfig) -> Task:
+    def prompt_ids(tok, p):
+        msg = f"{p.question}\nAnswer with the final number after '####'."
+        return tok.chat([{"role": "user", "content": msg}])
+
+    return Task(
+        lambda seed, i: tasks.make_word_problem(np.random.default_rng([seed, i]), cfg.digits),
+        prompt_ids,
+        tasks.gsm8k_reward,
+    )
+
+
+TASKS = {"arithmetic": _arith, "countdown": _countdown, "gsm8k": _gsm8k, "wordmath": _wordmath}
 
 
 def make_task(cfg: TaskConfig) -> Task:

@@ -88,8 +88,8 @@ class Rollouts:
         ids = [self.task.prompt_ids(self.tok, q) for q in problems for _ in range(g)]
         return [q for q in problems for _ in range(g)], ids
 
-    def sample(self, pol_params, mtp_params, toks, lens, key, spec=None):
-        spec = spec if spec is not None else self.spec
+    def sample(self, pol_params, mtp_params, toks, lens, key, spec):
+        """`spec=None`: the plain sampler. Returns (SampleOutput, SpecOutput or None)."""
         if spec is None:
             return sampling.sample_jit(self.pol_gd, pol_params, toks, lens, key, self.scfg), None
         out = speculative.sample_jit(
@@ -103,7 +103,9 @@ class Rollouts:
         toks, lens = sampling.pad_prompts(ids, self.tok.pad_id)
         with timer("rollout_s"):
             key = jax.random.fold_in(jax.random.key(cfg.seed + 5), i)
-            sample, spec_out = jax.device_get(self.sample(pol_params, mtp_params, toks, lens, key))
+            sample, spec_out = jax.device_get(
+                self.sample(pol_params, mtp_params, toks, lens, key, self.spec)
+            )
         with timer("reward_s"):
             texts = [
                 self.tok.decode(row[:n])
@@ -143,7 +145,8 @@ def _timed_rollout(rollouts: Rollouts, pol, mtp, toks, lens, spec, repeats: int)
     best, tokens = float("inf"), 0
     for rep in range(repeats + 1):  # the first call compiles
         t0 = time.perf_counter()
-        out, _ = rollouts.sample(pol, mtp, toks, lens, jax.random.key(100 + rep), spec)
+        out, spec_out = rollouts.sample(pol, mtp, toks, lens, jax.random.key(100 + rep), spec)
+        assert (spec_out is None) == (spec is None), "timed the wrong sampler"
         lengths = np.asarray(jax.device_get(out.lengths))
         if rep:
             best, tokens = min(best, time.perf_counter() - t0), int(lengths.sum())

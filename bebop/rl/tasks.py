@@ -226,3 +226,22 @@ def extract_number(text: str) -> float | None:
 def gsm8k_reward(text: str, problem: WordProblem) -> float:
     got = extract_number(text)
     return 1.0 if got is not None and abs(got - problem.answer) < 1e-6 else 0.0
+
+
+# ----------------------------------------------------------------------------- word problems
+
+
+def make_word_problem(rng: np.random.Generator, digits: int) -> WordProblem:
+    """A one-step maths word problem with its numeric answer (for chat models)."""
+    from bebop import prompts
+
+    name = prompts._NAMES[rng.integers(len(prompts._NAMES))]
+    item = prompts._ITEMS[rng.integers(len(prompts._ITEMS))]
+    a, b = int(rng.integers(2, 10**digits)), int(rng.integers(2, 10 ** max(1, digits - 1)))
+    kind = rng.integers(3)
+    if kind == 0:
+        return WordProblem(f"{name} has {a} {item} and buys {b} more. How many {item} now?", a + b)
+    if kind == 1:
+        a += b
+        return WordProblem(f"{name} had {a} {item} and gave away {b}. How many are left?", a - b)
+    return WordProblem(f"A box holds {a} {item}. How many {item} are in {b} boxes?", a * b)
