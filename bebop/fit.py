@@ -14,6 +14,9 @@ import time
 from collections.abc import Callable
 from pathlib import Path
 
+import jax
+
+from bebop import sharding
 from bebop.ckpt import Checkpointer
 from bebop.config import RunConfig
 from bebop.metrics import MetricsWriter, Progress
@@ -93,10 +96,6 @@ def fit(
 
 def restore_params(ckpt_dir: Path, abstract_params, optimizer, mesh):
     """The trained params of a stage's newest readable checkpoint, placed on `mesh`."""
-    import jax
-
-    from bebop import sharding
-
     target = sharding.abstract_on_mesh(abstract_params, mesh)
     abstract_state = jax.eval_shape(lambda p: TrainState.create(p, optimizer, 0), target)
     ckpt = Checkpointer(ckpt_dir, keep=1, async_save=False)

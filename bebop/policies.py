@@ -3,6 +3,7 @@ Hugging Face directory (`RunConfig.policy`). Returns (graphdef, params on the me
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 
 from bebop.config import RunConfig
@@ -30,8 +31,6 @@ def load(cfg: RunConfig, workdir: Path, mesh):
     if not tok_file.exists():
         raise FileNotFoundError(f"{tok_file}: the policy directory needs a tokenizer.json")
     gen = Path(src.path) / "generation_config.json"
-    import json
-
     eos = json.loads(gen.read_text()).get("eos_token_id", 0) if gen.exists() else 0
     eos_ids = eos if isinstance(eos, list) else [eos]
     tok = BPETokenizer.from_file(tok_file, eos_ids=eos_ids, pad_id=eos_ids[0])

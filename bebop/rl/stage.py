@@ -33,6 +33,7 @@ from bebop import distill, model, mtp_train, policies, sampling, sharding, specu
 from bebop import mtp as mtp_lib
 from bebop.ckpt import Checkpointer
 from bebop.config import RunConfig
+from bebop.fit import Interrupted
 from bebop.metrics import MetricsWriter, Progress, Timer
 from bebop.mtp_losses import dca_loss
 from bebop.rl import grpo, loop, rewards
@@ -280,7 +281,7 @@ def run(cfg: RunConfig, workdir: Path, mesh, stop_at_step: int | None = None) ->
             if (step + 1) % cfg.ckpt.every == 0 or step + 1 == rl.steps:
                 ckpt.save(step + 1, {"policy": pol_state, "mtp": mtp_state}, {"versions": versions})
             if stop_at_step is not None and step + 1 >= stop_at_step:
-                raise loop_interrupted(step + 1)
+                raise Interrupted(f"stopped at step {step + 1}")
     finally:
         stop.set()
         worker.join(timeout=60)
@@ -298,7 +299,8 @@ def run(cfg: RunConfig, workdir: Path, mesh, stop_at_step: int | None = None) ->
 
 
 def load_trained(cfg: RunConfig, workdir: Path, mesh):
-    """(policy params, MTP params) from this run's `rl` checkpoints."""
+    """(policy params, MTP params) from this run's `rl` checkpoints (for `policy.source=sft`,
+    whose architecture is `cfg.model`)."""
     pol_gd, abstract = model.abstract(cfg.model)
     pol_params = sharding.abstract_on_mesh(abstract, mesh)
     mtp_gd, mtp_abstract = nnx.split(
@@ -320,12 +322,6 @@ def load_trained(cfg: RunConfig, workdir: Path, mesh):
         raise FileNotFoundError(f"no RL checkpoint under {Path(workdir) / 'rl' / 'ckpt'}")
     state = restored[1]
     return state["policy"].params, state["mtp"].params
-
-
-def loop_interrupted(step: int):
-    from bebop.fit import Interrupted
-
-    return Interrupted(f"stopped at step {step}")
 
 
 def summarize(history, rl, acc_before, acc_after, rl_wall, timings, speed) -> dict:
