@@ -132,7 +132,8 @@ def _rl_cfg(*overrides):
     base = [
         "rl.steps=4", "rl.prompts_per_step=4", "rl.group_size=4", "rl.eval_samples=16",
         "rl.speedup_repeats=1", "ckpt.every=2", "sft.steps=60", "sft.eval_samples=8",
-        "distill.num_samples=64", "mtp.steps=20", "mtp.eval_every=20", "mtp.eval_prompts=8",
+        "distill.num_samples=64", "mtp.steps=20", "mtp.warmup_loss_steps=10", "mtp.eval_every=20",
+        "mtp.eval_prompts=8",
     ]  # fmt: skip
     return config_lib.load(str(REPO / "configs/demo.py:runlocal"), base + list(overrides))[0]
 
@@ -242,7 +243,7 @@ def _launch(workdir, *overrides, wait=True):
 RESUME = ["rl.steps=6", "rl.prompts_per_step=4", "rl.group_size=4", "rl.eval_samples=16",
           "rl.speedup_repeats=1", "ckpt.every=2", "rl.max_staleness=0", "ckpt.async_save=False",
           "sft.steps=60", "sft.eval_samples=8", "distill.num_samples=64", "mtp.steps=20",
-          "mtp.eval_every=20", "mtp.eval_prompts=8"]  # fmt: skip
+          "mtp.warmup_loss_steps=10", "mtp.eval_every=20", "mtp.eval_prompts=8"]  # fmt: skip
 
 
 def test_rl_kill_and_resume_continues_to_the_same_metrics(pretrained, tmp_path):
