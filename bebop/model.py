@@ -273,6 +273,17 @@ def prefill(graphdef, params, tokens_BxT, lengths_B, max_len: int):
     return extend(graphdef, params, cache, tokens_BxT, lengths_B)
 
 
+def prefill_last(graphdef, params, tokens_BxT, lengths_B, max_len: int):
+    """Like `prefill`, but projects only each row's last prompt position to logits (a full
+    `[B, T, V]` would be large for big vocabularies). Returns (logits_BxV, hidden_BxTxD, cache)."""
+    policy = nnx.merge(graphdef, params)
+    cache = new_cache(policy.cfg, tokens_BxT.shape[0], max_len)
+    positions_BxT = cache.positions(tokens_BxT.shape[1])
+    hidden_BxTxD, cache = policy.hidden(tokens_BxT, positions_BxT, cache)
+    last_Bx1xD = jnp.take_along_axis(hidden_BxTxD, (lengths_B - 1)[:, None, None], axis=1)
+    return policy.logits_from_hidden(last_Bx1xD)[:, 0], hidden_BxTxD, cache.advance(lengths_B)
+
+
 def graphdef_config(graphdef, params) -> ModelConfig:
     return nnx.merge(graphdef, params).cfg
 

@@ -118,8 +118,7 @@ def sample(graphdef, params, prompt_BxP, prompt_lens_B, rng, cfg: SamplingConfig
     """Samples up to `cfg.max_new_tokens` per row. Jit with `graphdef` and `cfg` static."""
     b, p = prompt_BxP.shape
     n = cfg.max_new_tokens
-    logits_BxPxV, _, cache = model.prefill(graphdef, params, prompt_BxP, prompt_lens_B, p + n)
-    last_BxV = jnp.take_along_axis(logits_BxPxV, (prompt_lens_B - 1)[:, None, None], axis=1)[:, 0]
+    last_BxV, _, cache = model.prefill_last(graphdef, params, prompt_BxP, prompt_lens_B, p + n)
     zeros_f = jnp.zeros((b, n), jnp.float32)
     out = SampleOutput(
         tokens=jnp.full((b, n), cfg.pad_id, jnp.int32),

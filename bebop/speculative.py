@@ -148,11 +148,9 @@ def sample(pol_gd, pol_params, mtp_gd, mtp_params, prompt_BxP, prompt_lens_B, rn
     max_len = p + n + w
 
     # Prefill the policy; the first token comes from the last prompt position.
-    positions = jnp.broadcast_to(jnp.arange(p), (b, p))
-    tcache = model.new_cache(policy.cfg, b, max_len)
-    logits_BxPxV, hid_BxPxD, tcache = policy(prompt_BxP, positions, tcache)
-    tcache = tcache.advance(prompt_lens_B)
-    last_BxV = _take(logits_BxPxV, prompt_lens_B - 1)
+    last_BxV, hid_BxPxD, tcache = model.prefill_last(
+        pol_gd, pol_params, prompt_BxP, prompt_lens_B, max_len
+    )
     rng, key = jax.random.split(rng)
     first_B = draw(key, process_logits(last_BxV, scfg), scfg)
     first_logp_BxV = stats_logprobs(last_BxV, scfg)
