@@ -6,6 +6,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from flax import nnx
 
 from bebop import model
 
@@ -97,9 +98,6 @@ def test_hidden_states_feed_the_head(tiny_cfg):
     graphdef, params = model.init(tiny_cfg, seed=0)
     tokens = jnp.arange(8)[None] % tiny_cfg.vocab_size
     logits, hidden = model.forward(graphdef, params, tokens, jnp.arange(8)[None])
-    policy_module = jax.tree.map(lambda x: x, (graphdef, params))
-    from flax import nnx
-
-    again = nnx.merge(*policy_module).logits_from_hidden(hidden)
+    again = nnx.merge(graphdef, params).logits_from_hidden(hidden)
     np.testing.assert_allclose(logits, again, atol=1e-6)
     assert hidden.shape == (1, 8, tiny_cfg.dim)
