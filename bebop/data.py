@@ -10,11 +10,10 @@ from __future__ import annotations
 import grain
 import numpy as np
 
+from bebop import prompts
 from bebop.config import TaskConfig
 from bebop.rl import tasks
 from bebop.tokenizer import CharTokenizer
-
-EVAL_SEED_OFFSET = 1_000_003  # held-out prompts come from a different stream than training data
 
 
 class SFTSource:
@@ -54,4 +53,4 @@ def sft_dataset(task: TaskConfig, tok: CharTokenizer, seq_len: int, batch: int, 
 
 
 def eval_problems(task: TaskConfig, seed: int, n: int) -> list[tasks.Problem]:
-    return [tasks.problem_at(task, seed + EVAL_SEED_OFFSET, i) for i in range(n)]
+    return [tasks.problem_at(task, seed + prompts.STREAMS["eval"], i) for i in range(n)]

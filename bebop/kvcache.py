@@ -30,10 +30,6 @@ class KVCache:
         zeros = jnp.zeros(shape, dtype)
         return cls(k=zeros, v=zeros, lengths=jnp.zeros((batch,), jnp.int32))
 
-    @property
-    def max_len(self) -> int:
-        return self.k.shape[3]
-
     def positions(self, num_new: int) -> jax.Array:
         """Absolute positions `[B, T]` of the next `num_new` tokens of each row."""
         return self.lengths[:, None] + jnp.arange(num_new, dtype=jnp.int32)[None, :]

@@ -83,10 +83,6 @@ class Progress:
         self.bar.set_postfix({"tok/s": f"{rate:,.0f}", **postfix}, refresh=False)
         self.bar.update(n_steps)
 
-    @property
-    def tokens_per_s(self) -> float:
-        return self._tokens / max(time.perf_counter() - self._t0, 1e-9)
-
     def close(self) -> None:
         self.bar.close()
 

@@ -29,7 +29,7 @@ import jax
 import numpy as np
 from flax import nnx
 
-from bebop import distill, model, mtp_train, policies, sampling, sharding, speculative
+from bebop import distill, model, mtp_train, policies, prompts, sampling, sharding, speculative
 from bebop import mtp as mtp_lib
 from bebop.ckpt import Checkpointer
 from bebop.config import RunConfig
@@ -38,8 +38,6 @@ from bebop.metrics import MetricsWriter, Progress, Timer
 from bebop.mtp_losses import dca_loss
 from bebop.rl import grpo, loop, rewards
 from bebop.train import TrainState, check_nonfinite, make_optimizer, make_train_step
-
-RL_STREAM, EVAL_STREAM = 23, 1_000_003
 
 
 def growmtp_loss(pol_gd, mtp_gd, train_steps: int, chunk: int, temperature: float):
@@ -60,7 +58,9 @@ def growmtp_loss(pol_gd, mtp_gd, train_steps: int, chunk: int, temperature: floa
 
 
 def greedy_accuracy(pol, tok, task, cfg: RunConfig) -> float:
-    probs = [task.problem(cfg.seed + EVAL_STREAM, i) for i in range(cfg.rl.eval_samples)]
+    probs = [
+        task.problem(cfg.seed + prompts.STREAMS["eval"], i) for i in range(cfg.rl.eval_samples)
+    ]
     ids = [task.prompt_ids(tok, p) for p in probs]
     scfg = sampling.SamplingConfig(
         temperature=0.0, max_new_tokens=cfg.rollout.max_new_tokens, eos_ids=tuple(tok.eos_ids),
@@ -85,7 +85,9 @@ class Rollouts:
 
     def prompts(self, i: int):
         p, g = self.cfg.rl.prompts_per_step, self.cfg.rl.group_size
-        problems = [self.task.problem(self.cfg.seed + RL_STREAM, i * p + j) for j in range(p)]
+        problems = [
+            self.task.problem(self.cfg.seed + prompts.STREAMS["rl"], i * p + j) for j in range(p)
+        ]
         ids = [self.task.prompt_ids(self.tok, q) for q in problems for _ in range(g)]
         return [q for q in problems for _ in range(g)], ids
 
