@@ -52,8 +52,9 @@ class ModelConfig:
     qk_norm: bool = False  # Qwen3
     tie_embeddings: bool = True
     dtype: str = "float32"  # activations and parameters; logits and softmax are always float32
-    # lax.scan over the stacked layers (default: measured 3x faster decode on CPU for SmolLM2
-    # than Python-unrolled slicing of the same stacked weights, and faster to compile)
+    # lax.scan over the stacked layers (compiles fastest; no weight copies). False: layers
+    # unrolled; decode loops slice each layer's weights once before the loop (`decode_layers`,
+    # one extra copy of the weights; faster decode on CPU, see benchmarks/decode.py).
     scan_layers: bool = True
     init_std: float = 0.02
 
@@ -230,6 +231,13 @@ class MTPConfig:
     eval_prompts: int = 64
     eval_draft: int = 3  # γ used by the evaluation's speculative sampler
     init_from: str = ""  # an orbax MTP checkpoint directory to start from (else random)
+    # Draft vocabulary: the MTP's head keeps only the `draft_vocab` tokens most frequent in the
+    # distill data (EOS always in); 0 = the full vocabulary. Lossless under both rules (the
+    # residual covers the rest); it cuts the draft head's cost by V / draft_vocab.
+    draft_vocab: int = 0
+    # Compute the frozen policy's hiddens over the distill set once (host memory N x S x D
+    # float32) instead of one backbone forward per step.
+    cache_hidden: bool = False
     optim: OptimConfig = OptimConfig(lr=1e-3, warmup_steps=20)
 
     def validate(self, p: str = "mtp.") -> None:
@@ -241,6 +249,7 @@ class MTPConfig:
         _require(
             0 <= self.warmup_loss_steps <= self.steps, p + "warmup_loss_steps", "in [0, steps]"
         )
+        _require(self.draft_vocab >= 0, p + "draft_vocab", "must be >= 0 (0 = full vocabulary)")
         self.optim.validate(p + "optim.")
 
 

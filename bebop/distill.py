@@ -79,7 +79,11 @@ class DistillSource:
         return self.tokens.shape[0]
 
     def __getitem__(self, i: int) -> dict:
-        return {"tokens": np.asarray(self.tokens[i]), "mask": np.asarray(self.mask[i])}
+        return {
+            "tokens": np.asarray(self.tokens[i]),
+            "mask": np.asarray(self.mask[i]),
+            "index": np.int32(i),
+        }
 
 
 def dataset(directory: Path, batch_size: int, seed: int):

@@ -8,7 +8,9 @@ Glossary for shape suffixes (used across bebop):
 Pieces: RMSNorm; RoPE (rotate-half layout, as in HF); grouped-query attention with optional qkv bias
 (Qwen2) and q/k RMSNorm (Qwen3); SwiGLU MLP; tied or untied output head. Layers are stored stacked
 (`[L, ...]` leading axis) so one parameter layout serves both the Python-unrolled and the `lax.scan`
-layer loop (`ModelConfig.scan_layers`).
+layer loop (`ModelConfig.scan_layers`). Decode loops with unrolled layers slice the per-layer
+weights once, before the loop (`decode_layers`): slicing inside the loop body copies every layer's
+weights every step (measured 3x slower on CPU).
 
 Entry points take the graph definition (static) and the parameter state split once with `nnx.split`:
   forward(graphdef, params, tokens_BxT, positions_BxT) -> (logits_BxTxV, hidden_BxTxD)
@@ -163,10 +165,23 @@ def stacked_blocks(cfg: ModelConfig, num: int, rngs: nnx.Rngs, block_cls=None) -
     return nnx.merge(graphdef, jax.tree.map(stack, *states, is_leaf=is_var))
 
 
-def run_blocks(blocks: Block, x_BxTxD, positions_BxT, kv=None, offsets_B=None, scan=False):
-    """Applies stacked blocks in order. `kv` is `(k, v)` each `[L, B, K, S, Dh]` or None."""
+def unstack(blocks) -> list:
+    """Per-layer parameter states of stacked blocks (a slice -- a copy -- of each)."""
+    state = nnx.split(blocks)[1]
+    return [
+        jax.tree.map(lambda a, i=i: a[i], state) for i in range(jax.tree.leaves(state)[0].shape[0])
+    ]
+
+
+def run_blocks(
+    blocks: Block, x_BxTxD, positions_BxT, kv=None, offsets_B=None, scan=False, layers=None
+):  # fmt: skip
+    """Applies stacked blocks in order. `kv` is `(k, v)` each `[L, B, K, S, Dh]` or None.
+    `layers`: per-layer states from `unstack`, computed once outside a decode loop (unrolled)."""
     graphdef, state = nnx.split(blocks)
     num = jax.tree.leaves(state)[0].shape[0]
+    if layers is not None:
+        scan = False
 
     def layer(x, layer_state, layer_kv):
         return nnx.merge(graphdef, layer_state)(x, positions_BxT, layer_kv, offsets_B)
@@ -180,7 +195,8 @@ def run_blocks(blocks: Block, x_BxTxD, positions_BxT, kv=None, offsets_B=None, s
     new_k, new_v = (kv[0], kv[1]) if kv is not None else (None, None)
     for i in range(num):
         layer_kv = None if kv is None else (kv[0][i], kv[1][i])
-        x_BxTxD, out_kv = layer(x_BxTxD, jax.tree.map(lambda a, i=i: a[i], state), layer_kv)
+        layer_state = layers[i] if layers is not None else jax.tree.map(lambda a, i=i: a[i], state)
+        x_BxTxD, out_kv = layer(x_BxTxD, layer_state, layer_kv)
         if kv is not None:
             # In-place under donation: XLA lowers .at[i].set to a dynamic-update-slice.
             new_k, new_v = new_k.at[i].set(out_kv[0]), new_v.at[i].set(out_kv[1])
@@ -218,19 +234,20 @@ class Policy(nnx.Module):
             return self.embed[...].astype(jnp.float32).T
         return self.lm_head[...].astype(jnp.float32)
 
-    def hidden(self, tokens_BxT, positions_BxT, cache: KVCache | None = None):
-        """Last-layer hidden states (before the final norm) and the updated cache; no head."""
+    def hidden(self, tokens_BxT, positions_BxT, cache: KVCache | None = None, layers=None):
+        """Last-layer hidden states (before the final norm) and the updated cache; no head.
+        `layers`: per-layer weights from `decode_layers` (inside a decode loop)."""
         x_BxTxD = self.embed_tokens(tokens_BxT)
         kv = None if cache is None else (cache.k, cache.v)
         offsets_B = None if cache is None else cache.lengths
         hidden_BxTxD, new_kv = run_blocks(
-            self.layers, x_BxTxD, positions_BxT, kv, offsets_B, self.cfg.scan_layers
+            self.layers, x_BxTxD, positions_BxT, kv, offsets_B, self.cfg.scan_layers, layers
         )
         new_cache = None if cache is None else cache.replace(k=new_kv[0], v=new_kv[1])
         return hidden_BxTxD, new_cache
 
-    def __call__(self, tokens_BxT, positions_BxT, cache: KVCache | None = None):
-        hidden_BxTxD, new_cache = self.hidden(tokens_BxT, positions_BxT, cache)
+    def __call__(self, tokens_BxT, positions_BxT, cache: KVCache | None = None, layers=None):
+        hidden_BxTxD, new_cache = self.hidden(tokens_BxT, positions_BxT, cache, layers)
         return self.logits_from_hidden(hidden_BxTxD), hidden_BxTxD, new_cache
 
 
@@ -252,10 +269,18 @@ def forward(graphdef, params, tokens_BxT, positions_BxT):
     return logits, hidden
 
 
-def extend(graphdef, params, cache: KVCache, tokens_BxT, num_new_B=None):
-    """Runs T new tokens per row at each row's offset; lengths advance by `num_new_B` (or T)."""
+def decode_layers(graphdef, params) -> list | None:
+    """For a decode loop: with `scan_layers` off, the per-layer weights sliced once (call it
+    before the loop and pass the result to `extend`); None with `scan_layers` (scan slices)."""
+    policy = nnx.merge(graphdef, params)
+    return None if policy.cfg.scan_layers else unstack(policy.layers)
+
+
+def extend(graphdef, params, cache: KVCache, tokens_BxT, num_new_B=None, layers=None):
+    """Runs T new tokens per row at each row's offset; lengths advance by `num_new_B` (or T).
+    `layers`: from `decode_layers`, when called inside a decode loop."""
     positions_BxT = cache.positions(tokens_BxT.shape[1])
-    logits, hidden, cache = nnx.merge(graphdef, params)(tokens_BxT, positions_BxT, cache)
+    logits, hidden, cache = nnx.merge(graphdef, params)(tokens_BxT, positions_BxT, cache, layers)
     if num_new_B is None:
         num_new_B = jnp.full(cache.lengths.shape, tokens_BxT.shape[1], jnp.int32)
     return logits, hidden, cache.advance(num_new_B)

@@ -88,15 +88,28 @@ def train_hidden(mtp_gd, mtp_params, pol_gd, pol_params, tokens_BxT, hidden_BxTx
     return jnp.stack(outs)
 
 
-def extend(mtp: MTP, policy, layer: int, cache: KVCache, hid_BxTxD, tokens_BxT, valid_BxS=None):
+def draft_head(policy, vocab_K=None) -> jax.Array:
+    """The draft's output projection `[D, K]` float32: the policy's head, restricted to the draft
+    vocabulary `vocab_K` (token ids) when one is given."""
+    head_DxV = policy.head_matrix()
+    return head_DxV if vocab_K is None else jnp.take(head_DxV, vocab_K, axis=1)
+
+
+def extend(
+    mtp: MTP, policy, layer: int, cache: KVCache, hid_BxTxD, tokens_BxT, valid_BxS=None,
+    head_DxK=None,
+):  # fmt: skip
     """Runs MTP layer `layer` over T positions per row at the cache's lengths (no advance).
 
     Returns (hidden out `[B, T, D]`, logits `[B, T, V]` float32, cache with that layer written).
-    `valid_BxS` optionally masks cache slots (needed when n > 1 layers leave gaps in a chain)."""
+    `valid_BxS` optionally masks cache slots (needed when n > 1 layers leave gaps in a chain).
+    `head_DxK` (from `draft_head`): logits over a draft vocabulary `[B, T, K]` instead."""
     kv = (cache.k[layer % mtp.num_layers], cache.v[layer % mtp.num_layers])
     positions = cache.positions(tokens_BxT.shape[1])
     emb = policy.embed_tokens(tokens_BxT)
     out, normed, (k, v) = mtp.layer(layer)(emb, hid_BxTxD, positions, kv, cache.lengths, valid_BxS)
     i = layer % mtp.num_layers
     cache = cache.replace(k=cache.k.at[i].set(k), v=cache.v.at[i].set(v))
-    return out, policy.head(normed), cache
+    if head_DxK is None:
+        return out, policy.head(normed), cache
+    return out, normed.astype(jnp.float32) @ head_DxK, cache

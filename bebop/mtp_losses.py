@@ -16,6 +16,11 @@ the KL terms (pass 2). Autodiffed passes are rematerialised per chunk; TV has an
   e2e_tv      1 − (1/Y) Σ_{j=1..Y} Π_{i≤j} α_i    (Bebop Eq. 13: one minus normalised E[accept])
   dca         −log Σ_{l=1..m} Π_{i≤l} α_i          (GrowMTP; m = accepted + 1 when known, else Y)
 `p` is detached (self-distillation); chains that cross a sequence end are masked for e2e_tv / dca.
+
+Draft vocabulary (`draft_loss(..., vocab=ids)`): q lives on K tokens, p stays the policy's full
+distribution (its log-normaliser over all V tokens is computed once per position, `target_lse`) and
+only its mass on those K tokens enters the losses -- so α = Σ_{v∈K} min(p, q) is still exactly the
+acceptance rate; `ce` supervises only labels inside the draft vocabulary.
 """
 
 from __future__ import annotations
@@ -59,38 +64,38 @@ def _lse(h_NxD, w_chunks, valid, temperature):
 
 
 def _pass2(hq, hp, w_chunks, valid, lse_q, lse_p, temperature):
-    """Pass 2: overlap α, S, Σ p(zp − zq), Σ q(zq − zp)."""
+    """Pass 2: overlap α, S, Σ p(zp − zq), Σ q(zq − zp), Σ p (1 unless a draft vocabulary)."""
 
     @jax.checkpoint
     def body(carry, xs):
         zq = _logits(hq, *xs, temperature)
         zp = _logits(hp, *xs, temperature)
         q, p = jnp.exp(zq - lse_q[:, None]), jnp.exp(zp - lse_p[:, None])
-        a, s, kpq, kqp = carry
+        a, s, kpq, kqp, mass = carry
         return (
             a + jnp.minimum(p, q).sum(-1),
             s + jnp.where(q <= p, q, 0.0).sum(-1),
             kpq + (p * (zp - zq)).sum(-1),
             kqp + (q * (zq - zp)).sum(-1),
+            mass + p.sum(-1),
         ), None
 
     zero = jnp.zeros((hq.shape[0],))
-    (a, s, kpq, kqp), _ = jax.lax.scan(body, (zero, zero, zero, zero), (w_chunks, valid))
-    return a, s, kpq, kqp
+    return jax.lax.scan(body, (zero,) * 5, (w_chunks, valid))[0]
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(3, 4))
-def overlap(hq_NxD, hp_NxD, head_DxV, chunk: int, temperature: float):
-    """α = Σ_v min(p, q) per position, with the analytic TV gradient. The target hiddens and the
-    head are frozen: their cotangents are zero (callers pass them through stop_gradient)."""
-    return _overlap_fwd(hq_NxD, hp_NxD, head_DxV, chunk, temperature)[0]
+@functools.partial(jax.custom_vjp, nondiff_argnums=(4, 5))
+def overlap(hq_NxD, hp_NxD, head_DxV, lse_p_N, chunk: int, temperature: float):
+    """α = Σ_v min(p, q) per position, with the analytic TV gradient; `lse_p_N` is the target's
+    log-normaliser. The target and the head are frozen: their cotangents are zero (callers pass
+    them through stop_gradient)."""
+    return _overlap_fwd(hq_NxD, hp_NxD, head_DxV, lse_p_N, chunk, temperature)[0]
 
 
-def _overlap_fwd(hq, hp, head, chunk, temperature):
+def _overlap_fwd(hq, hp, head, lse_p, chunk, temperature):
     w_chunks, valid = _chunks(head, chunk)
     lse_q = _lse(hq, w_chunks, valid, temperature)
-    lse_p = _lse(hp, w_chunks, valid, temperature)
-    a, s, _, _ = _pass2(hq, hp, w_chunks, valid, lse_q, lse_p, temperature)
+    a, s, _, _, _ = _pass2(hq, hp, w_chunks, valid, lse_q, lse_p, temperature)
     return a, (hq, hp, head, lse_q, lse_p, s)
 
 
@@ -106,30 +111,40 @@ def _overlap_bwd(chunk, temperature, res, g_N):
         return dh + gz @ w.T, None
 
     dh, _ = jax.lax.scan(body, jnp.zeros_like(hq), (w_chunks, valid))
-    return dh, jnp.zeros_like(hp), jnp.zeros_like(head)
+    return dh, jnp.zeros_like(hp), jnp.zeros_like(head), jnp.zeros_like(lse_p)
 
 
-overlap.defvjp(lambda hq, hp, head, chunk, t: _overlap_fwd(hq, hp, head, chunk, t), _overlap_bwd)
+overlap.defvjp(_overlap_fwd, _overlap_bwd)
 
 
 # ----------------------------------------------------------------------------- losses
 
 
-def _prepare(draft_YxBxTxD, target_BxTxD, tokens_BxT, mask_BxT):
-    """Flattened per-(step, anchor) inputs: draft hidden, target hidden at t+k, label, validity."""
+def _prepare(draft_YxBxTxD, target_BxTxD, tokens_BxT, mask_BxT, target_lse_BxT=None):
+    """Flattened per-(step, anchor) inputs: draft hidden, target hidden at t+k, label, validity,
+    and the target's log-normaliser at t+k (None: computed over the head's vocabulary later)."""
     y, b, t, d = draft_YxBxTxD.shape
     target = jax.lax.stop_gradient(target_BxTxD.astype(jnp.float32))
-    tgt, labels, valid = [], [], []
+    tgt, labels, valid, lse = [], [], [], []
     for k in range(1, y + 1):
         tgt.append(jnp.pad(target[:, k:], ((0, 0), (0, k), (0, 0))))
         labels.append(jnp.pad(tokens_BxT[:, k + 1 :], ((0, 0), (0, k + 1))))
         valid.append(jnp.pad(mask_BxT[:, k + 1 :], ((0, 0), (0, k + 1))) > 0)
+        if target_lse_BxT is not None:
+            lse.append(jnp.pad(target_lse_BxT[:, k:], ((0, 0), (0, k))))
     return (
         draft_YxBxTxD.astype(jnp.float32).reshape(y * b * t, d),
         jnp.stack(tgt).reshape(y * b * t, d),
         jnp.stack(labels).reshape(y * b * t),
         jnp.stack(valid),  # [Y, B, T]
+        jax.lax.stop_gradient(jnp.stack(lse).reshape(y * b * t)) if lse else None,
     )
+
+
+def _target_lse(hp_NxD, lse_p_N, w_chunks, valid, temperature):
+    if lse_p_N is None:
+        lse_p_N = _lse(hp_NxD, w_chunks, valid, temperature)
+    return jax.lax.stop_gradient(lse_p_N)
 
 
 def _masked_mean(x, m):
@@ -137,19 +152,23 @@ def _masked_mean(x, m):
     return (x * m).sum() / jnp.maximum(m.sum(), 1.0)
 
 
-def _alphas(inputs, head, chunk, temperature, shape):
-    hq, hp, _, valid = inputs
-    a = overlap(hq, hp, jax.lax.stop_gradient(head), chunk, temperature).reshape(shape)
-    return a, valid
+def _alphas(inputs, head, chunk, temperature):
+    hq, hp, _, valid, lse_p = inputs
+    head = jax.lax.stop_gradient(head)
+    lse_p = _target_lse(hp, lse_p, *_chunks(head, chunk), temperature)
+    return overlap(hq, hp, head, lse_p, chunk, temperature).reshape(valid.shape), valid
 
 
 def _per_step_metrics(a_YxBxT, valid):
     return {f"alpha_{k + 1}": _masked_mean(a_YxBxT[k], valid[k]) for k in range(a_YxBxT.shape[0])}
 
 
-def ce_loss(draft, target, head, tokens, mask, chunk=8192, temperature=1.0, accept_len=None):
-    del target, accept_len
-    hq, _, labels, valid = _prepare(draft, draft[0], tokens, mask)
+def ce_loss(
+    draft, target, head, tokens, mask, chunk=8192, temperature=1.0, accept_len=None,
+    target_lse=None,
+):  # fmt: skip
+    del target, accept_len, target_lse
+    hq, _, labels, valid, _ = _prepare(draft, draft[0], tokens, mask)
     w_chunks, v = _chunks(jax.lax.stop_gradient(head), chunk)
     lse = _lse(hq, w_chunks, v, temperature)
     z_label = jnp.einsum("nd,dn->n", hq, jax.lax.stop_gradient(head)[:, labels]) / temperature
@@ -157,35 +176,48 @@ def ce_loss(draft, target, head, tokens, mask, chunk=8192, temperature=1.0, acce
     return _masked_mean(nll, valid), {}
 
 
-def _kl_terms(draft, target, head, tokens, mask, chunk, temperature):
-    hq, hp, _, valid = _prepare(draft, target, tokens, mask)
+def _kl_terms(draft, target, head, tokens, mask, chunk, temperature, target_lse):
+    hq, hp, _, valid, lse_p = _prepare(draft, target, tokens, mask, target_lse)
     w_chunks, v = _chunks(jax.lax.stop_gradient(head), chunk)
     lse_q = _lse(hq, w_chunks, v, temperature)
-    lse_p = jax.lax.stop_gradient(_lse(hp, w_chunks, v, temperature))
-    a, _, kpq, kqp = _pass2(hq, hp, w_chunks, v, lse_q, lse_p, temperature)
-    kl_pq = kpq + lse_q - lse_p  # Σ p (zp − zq) + lse_q − lse_p
-    kl_qp = kqp + lse_p - lse_q
+    lse_p = _target_lse(hp, lse_p, w_chunks, v, temperature)
+    a, _, kpq, kqp, mass = _pass2(hq, hp, w_chunks, v, lse_q, lse_p, temperature)
+    # p's mass on the head's vocabulary: 1, or P < 1 for a draft vocabulary, where these are
+    # P·KL(p/P ‖ q) and KL(q ‖ p/P) (same minimiser q = p/P, still >= 0).
+    log_mass = jnp.log(jnp.maximum(jax.lax.stop_gradient(mass), 1e-30))
+    kl_pq = kpq + mass * (lse_q - lse_p - log_mass)  # Σ p (zp − zq) + P (lse_q − lse_p − log P)
+    kl_qp = kqp + lse_p - lse_q + log_mass
     return kl_pq.reshape(valid.shape), kl_qp.reshape(valid.shape), a.reshape(valid.shape), valid
 
 
-def kl_loss(draft, target, head, tokens, mask, chunk=8192, temperature=1.0, accept_len=None):
+def kl_loss(
+    draft, target, head, tokens, mask, chunk=8192, temperature=1.0, accept_len=None,
+    target_lse=None,
+):  # fmt: skip
     del accept_len
-    kl_pq, _, a, valid = _kl_terms(draft, target, head, tokens, mask, chunk, temperature)
+    kl_pq, _, a, valid = _kl_terms(
+        draft, target, head, tokens, mask, chunk, temperature, target_lse
+    )
     return _masked_mean(kl_pq, valid), _per_step_metrics(jax.lax.stop_gradient(a), valid)
 
 
 def reverse_kl_loss(
-    draft, target, head, tokens, mask, chunk=8192, temperature=1.0, accept_len=None
-):
+    draft, target, head, tokens, mask, chunk=8192, temperature=1.0, accept_len=None,
+    target_lse=None,
+):  # fmt: skip
     del accept_len
-    _, kl_qp, a, valid = _kl_terms(draft, target, head, tokens, mask, chunk, temperature)
+    _, kl_qp, a, valid = _kl_terms(
+        draft, target, head, tokens, mask, chunk, temperature, target_lse
+    )
     return _masked_mean(kl_qp, valid), _per_step_metrics(jax.lax.stop_gradient(a), valid)
 
 
-def tv_loss(draft, target, head, tokens, mask, chunk=8192, temperature=1.0, accept_len=None):
+def tv_loss(
+    draft, target, head, tokens, mask, chunk=8192, temperature=1.0, accept_len=None,
+    target_lse=None,
+):  # fmt: skip
     del accept_len
-    inputs = _prepare(draft, target, tokens, mask)
-    a, valid = _alphas(inputs, head, chunk, temperature, inputs[3].shape)
+    a, valid = _alphas(_prepare(draft, target, tokens, mask, target_lse), head, chunk, temperature)
     return _masked_mean(1.0 - a, valid), _per_step_metrics(a, valid)
 
 
@@ -194,10 +226,12 @@ def _chains(a_YxBxT, valid_YxBxT):
     return jnp.cumprod(a_YxBxT, axis=0), jnp.all(valid_YxBxT, axis=0)
 
 
-def e2e_tv_loss(draft, target, head, tokens, mask, chunk=8192, temperature=1.0, accept_len=None):
+def e2e_tv_loss(
+    draft, target, head, tokens, mask, chunk=8192, temperature=1.0, accept_len=None,
+    target_lse=None,
+):  # fmt: skip
     del accept_len
-    inputs = _prepare(draft, target, tokens, mask)
-    a, valid = _alphas(inputs, head, chunk, temperature, inputs[3].shape)
+    a, valid = _alphas(_prepare(draft, target, tokens, mask, target_lse), head, chunk, temperature)
     prods, anchor_ok = _chains(a, valid)
     expected_accept = prods.mean(axis=0)  # (1/Y) Σ_j Π_{i≤j} α_i
     metrics = {
@@ -207,11 +241,13 @@ def e2e_tv_loss(draft, target, head, tokens, mask, chunk=8192, temperature=1.0, 
     return _masked_mean(1.0 - expected_accept, anchor_ok), metrics
 
 
-def dca_loss(draft, target, head, tokens, mask, chunk=8192, temperature=1.0, accept_len=None):
+def dca_loss(
+    draft, target, head, tokens, mask, chunk=8192, temperature=1.0, accept_len=None,
+    target_lse=None,
+):  # fmt: skip
     """`accept_len_BxT` (optional): drafts accepted + 1 in the cycle seeded at each anchor;
     terms l > m are masked (verify-gated). Without it, m = Y."""
-    inputs = _prepare(draft, target, tokens, mask)
-    a, valid = _alphas(inputs, head, chunk, temperature, inputs[3].shape)
+    a, valid = _alphas(_prepare(draft, target, tokens, mask, target_lse), head, chunk, temperature)
     prods, anchor_ok = _chains(a, valid)
     y = a.shape[0]
     if accept_len is not None:  # only anchors that seeded a verify cycle, gated by its outcome
@@ -230,3 +266,29 @@ MTP_LOSSES = {
     "e2e_tv": e2e_tv_loss,
     "dca": dca_loss,
 }
+
+
+def draft_loss(
+    name, draft, target, head_DxV, tokens, mask, *, vocab=None, chunk=8192, temperature=1.0,
+    accept_len=None,
+):  # fmt: skip
+    """The loss `name` of `MTP_LOSSES`, optionally for a draft restricted to the token ids
+    `vocab` `[K]`: q over those K tokens, p the full-vocabulary target (see the module doc)."""
+    fn = MTP_LOSSES[name]
+    kw = dict(chunk=chunk, temperature=temperature, accept_len=accept_len)
+    if vocab is None:
+        return fn(draft, target, head_DxV, tokens, mask, **kw)
+    head_DxV = jax.lax.stop_gradient(head_DxV)
+    head_DxK = jnp.take(head_DxV, vocab, axis=1)
+    if name == "ce":  # labels as positions in the draft vocabulary; others unsupervised
+        pos_V = (
+            jnp.full((head_DxV.shape[1],), -1, jnp.int32)
+            .at[vocab]
+            .set(jnp.arange(vocab.shape[0], dtype=jnp.int32))
+        )
+        sub_BxT = pos_V[tokens]
+        return fn(draft, target, head_DxK, jnp.maximum(sub_BxT, 0), mask * (sub_BxT >= 0), **kw)
+    b, t, d = target.shape
+    hp_NxD = jax.lax.stop_gradient(target.astype(jnp.float32)).reshape(b * t, d)
+    lse_BxT = _lse(hp_NxD, *_chunks(head_DxV, chunk), temperature).reshape(b, t)
+    return fn(draft, target, head_DxK, tokens, mask, target_lse=lse_BxT, **kw)

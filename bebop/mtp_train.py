@@ -16,39 +16,46 @@ from pathlib import Path
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 from flax import nnx
 
 from bebop import distill, model, policies, prompts, sampling, sharding, speculative
 from bebop import mtp as mtp_lib
 from bebop.config import RunConfig
 from bebop.fit import fit, restore_params
-from bebop.mtp_losses import MTP_LOSSES
+from bebop.mtp_losses import draft_loss
 from bebop.train import TrainState, make_optimizer, make_train_step, schedule
 
 
-def mtp_loss(pol_gd, mtp_gd, loss_name: str, train_steps: int, chunk: int, temperature: float):
-    loss_fn = MTP_LOSSES[loss_name]
+def mtp_loss(
+    pol_gd, mtp_gd, loss_name: str, train_steps: int, chunk: int, temperature: float, vocab=None
+):  # fmt: skip
+    """`loss_fn(mtp_params, batch, rng)` for `make_train_step`; `vocab`: the draft vocabulary."""
+    vocab = None if vocab is None else jnp.asarray(vocab, jnp.int32)
 
     def fn(mtp_params, batch, rng):
         del rng
         pol_params = jax.lax.stop_gradient(batch["policy"])
         policy = nnx.merge(pol_gd, pol_params)
         tokens_BxT = batch["tokens"]
-        positions = jnp.broadcast_to(jnp.arange(tokens_BxT.shape[1]), tokens_BxT.shape)
-        hidden_BxTxD = jax.lax.stop_gradient(policy.hidden(tokens_BxT, positions)[0])
+        if "hidden" in batch:  # precomputed by `policy_hiddens`
+            hidden_BxTxD = jax.lax.stop_gradient(batch["hidden"])
+        else:
+            positions = jnp.broadcast_to(jnp.arange(tokens_BxT.shape[1]), tokens_BxT.shape)
+            hidden_BxTxD = jax.lax.stop_gradient(policy.hidden(tokens_BxT, positions)[0])
         draft_YxBxTxD = mtp_lib.train_hidden(
             mtp_gd, mtp_params, pol_gd, pol_params, tokens_BxT, hidden_BxTxD, train_steps
         )
-        return loss_fn(
-            draft_YxBxTxD, policy.final_norm(hidden_BxTxD), policy.head_matrix(), tokens_BxT,
-            batch["mask"], chunk=chunk, temperature=max(temperature, 1e-3),
-            accept_len=batch.get("accept_len"),
+        return draft_loss(
+            loss_name, draft_YxBxTxD, policy.final_norm(hidden_BxTxD), policy.head_matrix(),
+            tokens_BxT, batch["mask"], vocab=vocab, chunk=chunk,
+            temperature=max(temperature, 1e-3), accept_len=batch.get("accept_len"),
         )  # fmt: skip
 
     return fn
 
 
-def evaluate(pol, mtp, tok, cfg: RunConfig, prompt_ids, num_draft: int) -> dict:
+def evaluate(pol, mtp, tok, cfg: RunConfig, prompt_ids, num_draft: int, vocab=None) -> dict:
     """Real speculative rollouts on held-out prompts, both verification rules."""
     scfg = distill.sampling_config(cfg, tok)
     toks, lens = sampling.pad_prompts(prompt_ids, tok.pad_id)
@@ -56,10 +63,48 @@ def evaluate(pol, mtp, tok, cfg: RunConfig, prompt_ids, num_draft: int) -> dict:
     for rule in ("rejection", "target_only"):
         out = speculative.sample_jit(
             *pol, *mtp, toks, lens, jax.random.key(cfg.seed + 7), scfg,
-            speculative.SpecConfig(num_draft, rule),
+            speculative.SpecConfig(num_draft, rule), vocab,
         )  # fmt: skip
         res.update({f"{rule}/{k}": v for k, v in speculative.summarize(out).items()})
     return res
+
+
+def policy_hiddens(pol_gd, pol_params, tokens_NxS, batch_size: int) -> np.ndarray:
+    """The frozen policy's last hidden states `[N, S, D]` (host, float32) of every row."""
+
+    @jax.jit
+    def fn(params, tokens_BxS):
+        positions = jnp.broadcast_to(jnp.arange(tokens_BxS.shape[1]), tokens_BxS.shape)
+        return nnx.merge(pol_gd, params).hidden(tokens_BxS, positions)[0].astype(jnp.float32)
+
+    n = tokens_NxS.shape[0]
+    out = None
+    for start in range(0, n, batch_size):
+        rows = np.asarray(tokens_NxS[start : start + batch_size])
+        pad = batch_size - rows.shape[0]  # keep one compiled shape
+        h = np.asarray(fn(pol_params, np.pad(rows, ((0, pad), (0, 0)))))[: rows.shape[0]]
+        if out is None:
+            out = np.empty((n,) + h.shape[1:], np.float32)
+        out[start : start + rows.shape[0]] = h
+    return out
+
+
+def select_draft_vocab(tokens, mask, size: int, eos_ids, vocab_size: int) -> np.ndarray:
+    """The `size` token ids most frequent among the supervised (`mask` > 0) tokens, ties to the
+    lower id, EOS ids always included; sorted int32."""
+    if not 0 < size <= vocab_size:
+        raise ValueError(f"mtp.draft_vocab={size} must be in [1, {vocab_size}] (the vocabulary)")
+    counts = np.bincount(np.asarray(tokens)[np.asarray(mask) > 0], minlength=vocab_size)
+    order = np.lexsort((np.arange(vocab_size), -counts[:vocab_size]))
+    eos = [int(e) for e in eos_ids if 0 <= e < vocab_size][:size]
+    rest = [int(i) for i in order if int(i) not in eos][: size - len(eos)]
+    return np.sort(np.asarray(eos + rest, np.int32))
+
+
+def load_draft_vocab(mtp_dir: Path) -> np.ndarray | None:
+    """The draft vocabulary an `mtp` stage saved next to its checkpoints (None: full vocab)."""
+    path = Path(mtp_dir) / "draft_vocab.npy"
+    return np.load(path, allow_pickle=False) if path.exists() else None
 
 
 def init_mtp(cfg: RunConfig, pol_cfg, mesh):
@@ -91,10 +136,19 @@ def run(cfg: RunConfig, workdir: Path, mesh, stop_at_step: int | None = None) ->
     state = sharding.replicate_unplaced(
         TrainState.create(mtp_params, optimizer, cfg.seed + 101), mesh
     )
+    source = distill.DistillSource(Path(workdir) / "distill")
+    vocab = None
+    if m.draft_vocab:
+        vocab = select_draft_vocab(
+            source.tokens, source.mask, m.draft_vocab, tok.eos_ids, pol_cfg.vocab_size
+        )
+        sdir.mkdir(parents=True, exist_ok=True)
+        np.save(sdir / "draft_vocab.tmp.npy", vocab, allow_pickle=False)
+        (sdir / "draft_vocab.tmp.npy").rename(sdir / "draft_vocab.npy")
+    temp = cfg.rollout.temperature
     steps = {
         name: make_train_step(
-            mtp_loss(pol_gd, mtp_gd, name, m.train_steps, m.chunk, cfg.rollout.temperature),
-            optimizer,
+            mtp_loss(pol_gd, mtp_gd, name, m.train_steps, m.chunk, temp, vocab), optimizer
         )
         for name in {m.loss, m.warmup_loss}
     }
@@ -104,18 +158,26 @@ def run(cfg: RunConfig, workdir: Path, mesh, stop_at_step: int | None = None) ->
         return steps[name](state, batch)
 
     it = iter(distill.dataset(Path(workdir) / "distill", m.batch_size, cfg.seed))
-    seq_len = distill.DistillSource(Path(workdir) / "distill").tokens.shape[1]
+    hiddens = None
+    if m.cache_hidden:
+        hiddens = policy_hiddens(pol_gd, pol_params, source.tokens, m.batch_size)
+
+    def make_batch(b):
+        if hiddens is not None:
+            b = {**b, "hidden": hiddens[b["index"]]}
+        return {**sharding.shard_batch(b, mesh), "policy": pol_params}
+
+    seq_len = source.tokens.shape[1]
     eval_ids = prompts.prompt_ids(cfg, tok, m.eval_prompts, "eval", cfg.distill.prompts)
 
     def eval_fn(state):
         return evaluate(
-            (pol_gd, pol_params), (mtp_gd, state.params), tok, cfg, eval_ids, m.eval_draft
+            (pol_gd, pol_params), (mtp_gd, state.params), tok, cfg, eval_ids, m.eval_draft, vocab
         )
 
     before = eval_fn(state)
     res = fit(
-        "mtp", sdir, cfg, state, train_step, it,
-        lambda b: {**sharding.shard_batch(b, mesh), "policy": pol_params},
+        "mtp", sdir, cfg, state, train_step, it, make_batch,
         total_steps=m.steps, log_every=m.log_every, tokens_per_step=m.batch_size * seq_len,
         lr_at=schedule(m.optim, m.steps), eval_fn=eval_fn, eval_every=m.eval_every,
         stop_at_step=stop_at_step,
@@ -126,6 +188,7 @@ def run(cfg: RunConfig, workdir: Path, mesh, stop_at_step: int | None = None) ->
         "loss": m.loss,
         "warmup": f"{m.warmup_loss} x {m.warmup_loss_steps} steps" if m.warmup_loss_steps else None,
         "steps": m.steps,
+        "draft_vocab": m.draft_vocab or None,
         "final_loss": res.last_metrics.get("loss"),
         "train_time_s": res.train_time_s,
         "before": before,

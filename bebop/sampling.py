@@ -127,6 +127,7 @@ def sample(graphdef, params, prompt_BxP, prompt_lens_B, rng, cfg: SamplingConfig
         lengths=jnp.zeros((b,), jnp.int32),
     )
     init = _LoopState(jnp.int32(0), cache, last_BxV, jnp.zeros((b,), bool), rng, out)
+    layers = model.decode_layers(graphdef, params)
 
     def cond(s: _LoopState):
         return (s.step < n) & ~jnp.all(s.done_B)
@@ -147,7 +148,9 @@ def sample(graphdef, params, prompt_BxP, prompt_lens_B, rng, cfg: SamplingConfig
             lengths=o.lengths + live_B.astype(jnp.int32),
         )
         done_B = s.done_B | is_eos(tok_B, cfg.eos_ids)
-        logits_Bx1xV, _, cache = model.extend(graphdef, params, s.cache, tok_B[:, None])
+        logits_Bx1xV, _, cache = model.extend(
+            graphdef, params, s.cache, tok_B[:, None], None, layers
+        )
         return _LoopState(s.step + 1, cache, logits_Bx1xV[:, 0], done_B, rng, o)
 
     return jax.lax.while_loop(cond, body, init).out

@@ -135,12 +135,28 @@ def _emit_limits(tokens_BxW, n_emit_B, out_len_B, done_B, scfg: SamplingConfig, 
     return n_emit_B, finished_B
 
 
-def sample(pol_gd, pol_params, mtp_gd, mtp_params, prompt_BxP, prompt_lens_B, rng, scfg, spec):
+def sample(
+    pol_gd, pol_params, mtp_gd, mtp_params, prompt_BxP, prompt_lens_B, rng, scfg, spec,
+    draft_vocab=None,
+):  # fmt: skip
     """Speculative sampling; same outputs as `sampling.sample` plus `SpecStats`.
-    Jit with `pol_gd`, `mtp_gd`, `scfg`, `spec` static."""
+    Jit with `pol_gd`, `mtp_gd`, `scfg`, `spec` static.
+
+    `draft_vocab` (int32 `[K]`, distinct token ids) restricts the MTP's head to K tokens: q is a
+    distribution over them, placed into the full vocabulary (0 elsewhere) before the acceptance
+    test and the residual, which stay exact -- the output distribution is unchanged."""
     policy = nnx.merge(pol_gd, pol_params)
     mtp = nnx.merge(mtp_gd, mtp_params)
-    draft_rule = DRAFT_RULES[spec.rule]
+    rule = DRAFT_RULES[spec.rule]
+    head_DxK = None if draft_vocab is None else mtp_lib.draft_head(policy, draft_vocab)
+
+    def draft_rule(key, logq_BxK, cfg):
+        d_B, q_BxK = rule(key, logq_BxK, cfg)
+        if draft_vocab is None:
+            return d_B, q_BxK
+        q_BxV = jnp.zeros((q_BxK.shape[0], policy.cfg.vocab_size), q_BxK.dtype)
+        return draft_vocab[d_B], q_BxV.at[:, draft_vocab].set(q_BxK)
+
     y, w = spec.num_draft, spec.num_draft + 1
     n_mtp = mtp.num_layers
     b, p = prompt_BxP.shape
@@ -163,7 +179,9 @@ def sample(pol_gd, pol_params, mtp_gd, mtp_params, prompt_BxP, prompt_lens_B, rn
     )
     mcache = mtp_lib.new_cache(policy.cfg, n_mtp, b, max_len)
     for j in range(n_mtp):
-        _, _, mcache = mtp_lib.extend(mtp, policy, j, mcache, hid_BxPxD, next_tok_BxP)
+        _, _, mcache = mtp_lib.extend(
+            mtp, policy, j, mcache, hid_BxPxD, next_tok_BxP, head_DxK=head_DxK
+        )
     mcache = mcache.advance(prompt_lens_B - 1)
     catch_hid = jnp.zeros((b, w, policy.cfg.dim), hid_BxPxD.dtype)
     catch_hid = catch_hid.at[:, 0].set(_take(hid_BxPxD, prompt_lens_B - 1))
@@ -185,6 +203,7 @@ def sample(pol_gd, pol_params, mtp_gd, mtp_params, prompt_BxP, prompt_lens_B, rn
         overlap=zeros_f,
     )
     done_B = is_eos(first_B, scfg.eos_ids) | (n <= 1)
+    layers = model.decode_layers(pol_gd, pol_params)
     hid_buf = cyc_buf = None
     if spec.record:
         hid_buf = jnp.zeros((b, max_len, policy.cfg.dim), hid_BxPxD.dtype).at[:, :p].set(hid_BxPxD)
@@ -203,7 +222,7 @@ def sample(pol_gd, pol_params, mtp_gd, mtp_params, prompt_BxP, prompt_lens_B, rn
         mcache = s.mcache
         for j in range(n_mtp):
             out_j, logits_j, mcache = mtp_lib.extend(
-                mtp, policy, j, mcache, s.catch_hid_BxWxD, s.catch_tok_BxW
+                mtp, policy, j, mcache, s.catch_hid_BxWxD, s.catch_tok_BxW, head_DxK=head_DxK
             )
             if j == 0:
                 last_B = jnp.maximum(s.n_catch_B - 1, 0)
@@ -221,7 +240,7 @@ def sample(pol_gd, pol_params, mtp_gd, mtp_params, prompt_BxP, prompt_lens_B, rn
                     rel_BxS = jnp.arange(max_len)[None] - c_B[:, None]
                     valid = (rel_BxS < 0) | jnp.isin(rel_BxS, own)
                 out_k, logits_k, mcache = mtp_lib.extend(
-                    mtp, policy, layer, mcache, hid_Bx1xD, drafts[-1][:, None], valid
+                    mtp, policy, layer, mcache, hid_Bx1xD, drafts[-1][:, None], valid, head_DxK
                 )
                 mcache = mcache.advance(jnp.ones((b,), jnp.int32))
                 hid_Bx1xD, q_logits_BxV = out_k, logits_k[:, 0]
@@ -235,7 +254,9 @@ def sample(pol_gd, pol_params, mtp_gd, mtp_params, prompt_BxP, prompt_lens_B, rn
 
         # 3. verify all W positions with one policy forward.
         v_tok_BxW = jnp.concatenate([s.pending_B[:, None], drafts_BxY], axis=1)
-        t_logits_BxWxV, t_hid_BxWxD, tcache = policy(v_tok_BxW, s.tcache.positions(w), s.tcache)
+        t_logits_BxWxV, t_hid_BxWxD, tcache = policy(
+            v_tok_BxW, s.tcache.positions(w), s.tcache, layers
+        )
         tcache = tcache.advance(jnp.full((b,), w, jnp.int32))
         logp_BxWxV = process_logits(t_logits_BxWxV, scfg)
         p_BxWxV = jnp.exp(logp_BxWxV)

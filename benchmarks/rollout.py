@@ -41,7 +41,7 @@ def best_time(fn, repeats):
     return best
 
 
-def step_costs(pol, mtp, batch, context, gammas, repeats=5):
+def step_costs(pol, mtp, vocab, batch, context, gammas, repeats=5):
     """Seconds for one plain decode step, one (γ+1)-token verify, one MTP draft step."""
     cfg = model.graphdef_config(*pol)
     cache = model.new_cache(cfg, batch, context + 16)
@@ -58,7 +58,9 @@ def step_costs(pol, mtp, batch, context, gammas, repeats=5):
     def draft(pp, mp, c):
         policy, m = nnx.merge(pol[0], pp), nnx.merge(mtp[0], mp)
         hid = jnp.zeros((batch, 1, cfg.dim), jnp.float32)
-        return mtp_lib.extend(m, policy, 0, c, hid, jnp.ones((batch, 1), jnp.int32))[1]
+        head = None if vocab is None else mtp_lib.draft_head(policy, vocab)
+        one = jnp.ones((batch, 1), jnp.int32)
+        return mtp_lib.extend(m, policy, 0, c, hid, one, head_DxK=head)[1]
 
     res["draft"] = best_time(lambda: draft(pol[1], mtp[1], mcache), repeats)
     return res
@@ -74,21 +76,24 @@ def load_models(args, mesh):
 
         pol_gd, pol_params, tok = policies.load(cfg, wd, mesh)
         mtp = mtp_train.load_trained(cfg, wd, cfg.model, mesh)
+        vocab = mtp_train.load_draft_vocab(wd / "mtp")
         ids = prompts.prompt_ids(cfg, tok, max(args.batches), "bench", "task")
-        return (pol_gd, pol_params), mtp, tok, ids, "trained (demo mtp stage)"
+        return (pol_gd, pol_params), mtp, vocab, tok, ids, "trained (demo mtp stage)"
+    from bebop import mtp_train
     from bebop.checkpoints import gguf
 
-    loaded, tok = gguf.load(gguf.find_smollm2(), mesh)
+    loaded, tok = gguf.load(gguf.find_smollm2(), mesh, scan_layers=False)  # faster decode
     pol_cfg = loaded.cfg
     mtp_gd, mtp_params = mtp_lib.init(pol_cfg, 1, seed=0)
-    source = "random init"
-    if args.mtp_ckpt:
+    source, vocab = "random init", None
+    if args.mtp_ckpt:  # DIR/mtp/ckpt; the draft vocabulary, if any, is DIR/mtp/draft_vocab.npy
         opt = make_optimizer(config_lib.OptimConfig(), 1)
         mtp_params = restore_params(Path(args.mtp_ckpt), mtp_params, opt, mesh)
+        vocab = mtp_train.load_draft_vocab(Path(args.mtp_ckpt).parent)
         source = args.mtp_ckpt
     cfg = config_lib.RunConfig()
     ids = prompts.prompt_ids(cfg, tok, max(args.batches), "bench", "mixed")
-    return (loaded.graphdef, loaded.params), (mtp_gd, mtp_params), tok, ids, source
+    return (loaded.graphdef, loaded.params), (mtp_gd, mtp_params), vocab, tok, ids, source
 
 
 def main():
@@ -109,11 +114,12 @@ def main():
     rules = args.rules.split(",")
 
     mesh = sharding.make_mesh(config_lib.MeshConfig(data=1), jax.devices()[:1])
-    pol, mtp, tok, ids, mtp_source = load_models(args, mesh)
+    pol, mtp, vocab, tok, ids, mtp_source = load_models(args, mesh)
+    vocab = None if vocab is None else jnp.asarray(vocab)
     rows = []
     for b in args.batches:
         toks, lens = sampling.pad_prompts(ids[:b], tok.pad_id)
-        costs = step_costs(pol, mtp, b, int(toks.shape[1]) + args.new_tokens // 2, gammas)
+        costs = step_costs(pol, mtp, vocab, b, int(toks.shape[1]) + args.new_tokens // 2, gammas)
         for temp in temps:
             scfg = sampling.SamplingConfig(
                 temperature=temp, max_new_tokens=args.new_tokens, eos_ids=tuple(tok.eos_ids),
@@ -134,7 +140,9 @@ def main():
                     box = {}
 
                     def run(spec=spec, scfg=scfg, key=key, toks=toks, lens=lens, box=box):
-                        box["o"] = speculative.sample_jit(*pol, *mtp, toks, lens, key, scfg, spec)
+                        box["o"] = speculative.sample_jit(
+                            *pol, *mtp, toks, lens, key, scfg, spec, vocab
+                        )
                         return box["o"]
 
                     t = best_time(run, args.repeats)
@@ -164,6 +172,7 @@ def main():
                     )
     best = max(rows, key=lambda r: r["speedup"])
     print(json.dumps({"model": args.model, "mtp": mtp_source, "new_tokens": args.new_tokens,
+                      "draft_vocab": None if vocab is None else int(vocab.shape[0]),
                       "best": best, "rows": rows}))  # fmt: skip
 
 

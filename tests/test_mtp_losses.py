@@ -96,10 +96,63 @@ def test_tv_gradient_matches_closed_form_in_logit_space():
     n, v = 6, V
     zq, zp = 2 * jax.random.normal(k[0], (n, v)), 2 * jax.random.normal(k[1], (n, v))
     eye = jnp.eye(v)  # head = I: the hidden states are the logits
-    grad = jax.grad(lambda z: (1 - L.overlap(z, zp, eye, 8, 1.0)).sum())(zq)
+    lse_p = jax.nn.logsumexp(zp, -1)
+    grad = jax.grad(lambda z: (1 - L.overlap(z, zp, eye, lse_p, 8, 1.0)).sum())(zq)
     q, p = jax.nn.softmax(zq), jax.nn.softmax(zp)
     s = jnp.where(q <= p, q, 0.0).sum(-1, keepdims=True)
     np.testing.assert_allclose(grad, -q * ((q <= p) - s), atol=1e-6)
+
+
+SUB = jnp.array([0, 3, 4, 9, 10, 11, 20, 25, 31, 36])  # a draft vocabulary of 10 of the 37 ids
+
+
+def naive_subset(name, draft, target, head, tokens, mask, temperature=1.0):
+    """Reference for a draft vocabulary: q = softmax over SUB only, p the full softmax."""
+    lq_sub, lp, labels, valid = _naive_parts(draft, target, head[:, SUB], tokens, mask, temperature)
+    lp = _naive_parts(draft, target, head, tokens, mask, temperature)[1][..., SUB]  # full p on SUB
+    q, p = jnp.exp(lq_sub), jnp.exp(lp)
+    mass = p.sum(-1)
+    alpha = jnp.minimum(p, q).sum(-1)
+    prods, ok = jnp.cumprod(alpha, 0), valid.all(0)
+    if name == "ce":  # labels outside SUB are not supervised
+        pos = jnp.full((V,), -1).at[SUB].set(jnp.arange(len(SUB)))[labels]
+        nll = -jnp.take_along_axis(lq_sub, jnp.maximum(pos, 0)[..., None], -1)[..., 0]
+        return _mean(nll, valid & (pos >= 0))
+    p_hat = p / mass[..., None]
+    if name == "kl":  # P · KL(p/P ‖ q)
+        return _mean(mass * (p_hat * (jnp.log(p_hat) - lq_sub)).sum(-1), valid)
+    if name == "reverse_kl":  # KL(q ‖ p/P)
+        return _mean((q * (lq_sub - jnp.log(p_hat))).sum(-1), valid)
+    if name == "tv":
+        return _mean(1 - alpha, valid)
+    if name == "e2e_tv":
+        return _mean(1 - prods.mean(0), ok)
+    return _mean(-jnp.log(prods.sum(0)), ok)  # dca
+
+
+@pytest.mark.parametrize("name", list(L.MTP_LOSSES))
+def test_draft_vocabulary_losses_and_gradients_equal_a_naive_reference(name):
+    """q on 10 of 37 tokens, p the policy's full distribution: values and gradients (≤ 1e-5)."""
+    draft, target, head, tokens, mask = _inputs(seed=4)
+
+    def got(d):
+        return L.draft_loss(name, d, target, head, tokens, mask, vocab=SUB, chunk=4)[0]
+
+    np.testing.assert_allclose(got(draft), naive_subset(name, draft, target, head, tokens, mask),
+                               atol=1e-5, rtol=1e-5)  # fmt: skip
+    want_g = jax.grad(lambda d: naive_subset(name, d, target, head, tokens, mask))(draft)
+    np.testing.assert_allclose(jax.grad(got)(draft), want_g, atol=1e-5)
+    assert float(got(draft)) >= 0.0
+
+
+def test_draft_vocabulary_overlap_is_below_the_target_mass_on_it():
+    """With q on a subset, α = Σ_sub min(p, q) ≤ p(sub) < 1 (the full-vocab α can be larger)."""
+    draft, target, head, tokens, mask = _inputs(seed=5)
+    _, m_sub = L.draft_loss("tv", draft, target, head, tokens, mask, vocab=SUB, chunk=8)
+    _, lp, _, valid = _naive_parts(draft, target, head, tokens, mask)
+    p_mass = jnp.exp(lp)[..., SUB].sum(-1)
+    assert float(m_sub["alpha_1"]) <= float(_mean(p_mass[0], valid[0])) + 1e-6
+    assert float(m_sub["alpha_1"]) > 0.0
 
 
 def test_e2e_tv_is_the_expected_accept_length_of_rejection_sampling():

@@ -13,7 +13,7 @@ from bebop import model
 from bebop import mtp as mtp_lib
 from bebop.config import OptimConfig
 from bebop.mtp_losses import MTP_LOSSES
-from bebop.mtp_train import mtp_loss
+from bebop.mtp_train import mtp_loss, policy_hiddens, select_draft_vocab
 from bebop.train import TrainState, make_optimizer, make_train_step
 
 from .helpers import random_policy
@@ -43,6 +43,41 @@ def test_no_gradient_reaches_the_policy(setup, name):
     g_mtp, g_pol = jax.grad(loss, argnums=(0, 1))(mtp_params, batch["policy"])
     assert all(float(jnp.abs(g).max()) == 0.0 for g in jax.tree.leaves(g_pol))
     assert max(float(jnp.abs(g).max()) for g in jax.tree.leaves(g_mtp)) > 0.0
+
+
+def test_draft_vocabulary_is_the_most_frequent_supervised_tokens_plus_eos():
+    tokens = np.array([[5, 5, 5, 7, 7, 3, 9, 9, 9, 9], [1, 1, 1, 1, 1, 1, 7, 3, 0, 0]])
+    mask = np.array([[1, 1, 1, 1, 1, 1, 1, 1, 1, 1], [0, 0, 0, 0, 0, 0, 1, 1, 1, 1]])
+    # supervised counts: 9 x4, 5 x3, 7 x3, 3 x2, 0 x2 (a tie: the lower id wins); token 1
+    # (6 times) is only in the unsupervised prompt
+    np.testing.assert_array_equal(select_draft_vocab(tokens, mask, 3, (2,), 12), [2, 5, 9])
+    np.testing.assert_array_equal(select_draft_vocab(tokens, mask, 5, (2,), 12), [0, 2, 5, 7, 9])
+    np.testing.assert_array_equal(select_draft_vocab(tokens, mask, 4, (), 12), [0, 5, 7, 9])
+    with pytest.raises(ValueError, match="mtp.draft_vocab=13"):
+        select_draft_vocab(tokens, mask, 13, (2,), 12)
+
+
+def test_draft_vocabulary_mtp_loss_trains_only_the_mtp(setup):
+    pol_gd, mtp_gd, mtp_params, batch = setup
+    fn = mtp_loss(pol_gd, mtp_gd, "e2e_tv", 3, 4, 1.0, vocab=np.array([0, 2, 5, 7, 11]))
+    g_mtp, g_pol = jax.grad(lambda mp, pp: fn(mp, {**batch, "policy": pp}, None)[0],
+                            argnums=(0, 1))(mtp_params, batch["policy"])  # fmt: skip
+    assert all(float(jnp.abs(g).max()) == 0.0 for g in jax.tree.leaves(g_pol))
+    assert max(float(jnp.abs(g).max()) for g in jax.tree.leaves(g_mtp)) > 0.0
+
+
+def test_cached_policy_hiddens_give_the_same_loss_and_gradient(setup):
+    """`mtp.cache_hidden`: hiddens computed once (batches of 2, the last one padded) = per step."""
+    pol_gd, mtp_gd, mtp_params, batch = setup
+    fn = mtp_loss(pol_gd, mtp_gd, "e2e_tv", 3, 8, 1.0)
+    hiddens = policy_hiddens(pol_gd, batch["policy"], np.asarray(batch["tokens"]), batch_size=2)
+    assert hiddens.shape == (*batch["tokens"].shape, 32)
+    (l0, _), g0 = jax.value_and_grad(fn, has_aux=True)(mtp_params, batch, None)
+    (l1, _), g1 = jax.value_and_grad(fn, has_aux=True)(mtp_params, {**batch, "hidden": hiddens},
+                                                       None)  # fmt: skip
+    np.testing.assert_allclose(l0, l1, rtol=1e-5)
+    for a, b in zip(jax.tree.leaves(g0), jax.tree.leaves(g1), strict=True):
+        np.testing.assert_allclose(a, b, atol=1e-5)
 
 
 def test_backbone_is_bitwise_unchanged_by_mtp_training(setup):

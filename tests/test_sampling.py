@@ -1,5 +1,7 @@
 """Plain sampler: greedy = argmax of the full forward, EOS handling, processed distributions."""
 
+import dataclasses
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -10,8 +12,9 @@ from bebop import model, sampling
 from .helpers import random_policy
 
 
-def test_greedy_sampler_follows_full_forward_argmax(tiny_cfg):
-    pol = random_policy(tiny_cfg, 0)
+@pytest.mark.parametrize("scan_layers", [True, False])  # False: `decode_layers` slices once
+def test_greedy_sampler_follows_full_forward_argmax(tiny_cfg, scan_layers):
+    pol = random_policy(dataclasses.replace(tiny_cfg, scan_layers=scan_layers), 0)
     prompts = [[1, 5, 6], [1], [1, 4, 4, 4, 9, 3, 3]]
     scfg = sampling.SamplingConfig(temperature=0.0, max_new_tokens=12, eos_ids=(2,))
     toks, lens = sampling.pad_prompts(prompts)

@@ -22,9 +22,9 @@ CFG = ModelConfig(
 PROMPTS = [[1, 5, 6, 7], [1, 3], [1, 4, 4, 4, 4, 9], [1, 8, 2]]
 
 
-def _spec(pol, mtp, prompts, scfg, spec, seed=0):
+def _spec(pol, mtp, prompts, scfg, spec, seed=0, vocab=None):
     toks, lens = sampling.pad_prompts(prompts)
-    return speculative.sample_jit(*pol, *mtp, toks, lens, jax.random.key(seed), scfg, spec)
+    return speculative.sample_jit(*pol, *mtp, toks, lens, jax.random.key(seed), scfg, spec, vocab)
 
 
 def _plain(pol, prompts, scfg, seed=0):
@@ -45,19 +45,24 @@ def _models(kind, num_mtp=1):
 
 @pytest.mark.parametrize("kind", ["random", "agrees_often"])
 @pytest.mark.parametrize("rule", ["rejection", "target_only"])
-@pytest.mark.parametrize("num_mtp", [1, 2])
+@pytest.mark.parametrize("num_mtp", [1, 2, "1+vocab", "1+unrolled"])
 def test_greedy_equals_plain_sampler_token_for_token(kind, rule, num_mtp):
-    pol, mtp = _models(kind, num_mtp)
+    vocab = jnp.arange(0, CFG.vocab_size, 2) if num_mtp == "1+vocab" else None  # even ids only
+    pol, mtp = _models(kind, num_mtp if isinstance(num_mtp, int) else 1)
+    if num_mtp == "1+unrolled":  # the policy's decode loop on per-layer weights sliced once
+        unrolled = dataclasses.replace(model.graphdef_config(*pol), scan_layers=False)
+        pol = (model.abstract(unrolled)[0], pol[1])
     scfg = sampling.SamplingConfig(temperature=0.0, max_new_tokens=24, eos_ids=(2,))
     plain = jax.device_get(_plain(pol, PROMPTS, scfg))
-    out = jax.device_get(_spec(pol, mtp, PROMPTS, scfg, SpecConfig(3, rule)))
+    out = jax.device_get(_spec(pol, mtp, PROMPTS, scfg, SpecConfig(3, rule), vocab=vocab))
     np.testing.assert_array_equal(out.sample.lengths, plain.lengths)
     np.testing.assert_array_equal(out.sample.tokens, plain.tokens)
     np.testing.assert_allclose(out.sample.logprobs, plain.logprobs, atol=1e-5)
     np.testing.assert_allclose(out.sample.entropy, plain.entropy, atol=1e-5)
     rate = out.stats.accepts.sum() / max(out.stats.attempts.sum(), 1)
     if kind == "agrees_often":
-        assert rate > 0.6 and out.stats.verify_calls.sum() < 0.6 * plain.lengths.sum()
+        floor = 0.6 if vocab is None else 0.2  # half the tokens cannot be drafted
+        assert rate > floor and out.stats.verify_calls.sum() < (1 - floor) * plain.lengths.sum()
 
 
 # ----------------------------------------------------------------------------- losslessness
@@ -121,11 +126,17 @@ def _counts(sampler, scfg):
     return np.bincount(idx, minlength=V_SMALL**3)
 
 
+DRAFT_VOCAB = jnp.array([6, 1, 3, 4])  # half of the 8 tokens, unsorted
+
+
 @pytest.mark.parametrize("setting", list(SETTINGS))
-@pytest.mark.parametrize("rule", ["plain", "rejection", "target_only", "broken"])
+@pytest.mark.parametrize(
+    "rule", ["plain", "rejection", "target_only", "broken", "rejection+vocab", "target_only+vocab"]
+)
 def test_lossless_joint_distribution_of_first_three_tokens(setting, rule, monkeypatch):
     """Chi-square goodness of fit of 1e5 samples of (x1, x2, x3) against exact probabilities:
-    every real sampler passes at p > 0.01; the broken verifier must fail (p < 1e-6)."""
+    every real sampler passes at p > 0.01 (`+vocab`: the draft restricted to 4 of the 8 tokens);
+    the broken verifier must fail (p < 1e-6)."""
     scfg = SETTINGS[setting]
     pol = model.init(SMALL, 0)
     mtp = mtp_lib.init(dataclasses.replace(SMALL, init_std=0.8), 1, 5)
@@ -133,9 +144,12 @@ def test_lossless_joint_distribution_of_first_three_tokens(setting, rule, monkey
     if rule == "plain":
         run = jax.jit(lambda t, n, k, c: sampling.sample(*pol, t, n, k, c).tokens, static_argnums=3)
     else:
-        spec = SpecConfig(num_draft=2, rule=rule)
+        rule, _, with_vocab = rule.partition("+")
+        spec, vocab = SpecConfig(num_draft=2, rule=rule), DRAFT_VOCAB if with_vocab else None
         run = jax.jit(
-            lambda t, n, k, c: speculative.sample(*pol, *mtp, t, n, k, c, spec).sample.tokens,
+            lambda t, n, k, c: (
+                speculative.sample(*pol, *mtp, t, n, k, c, spec, vocab).sample.tokens
+            ),
             static_argnums=3,
         )
     pvalue, dof = _chi2_pvalue(_counts(run, scfg), _exact_joint(pol, scfg).ravel())
@@ -173,6 +187,33 @@ def test_copy_mtp_is_always_accepted():
     assert st.attempts.sum() == len(PROMPTS) * 5 * y
     np.testing.assert_array_equal(st.verify_calls, 5)
     np.testing.assert_allclose(st.overlap[st.status == ACCEPTED], 1.0, atol=1e-5)
+
+
+def test_copy_mtp_with_a_draft_vocabulary_is_accepted_exactly_on_it():
+    """q = p restricted to a draft vocabulary: with every token in it (shuffled order) all drafts
+    are accepted; with half of them, drafts are always in it and acceptance equals the target's
+    mass on it (the analytic Σ min(p, q)), not 1."""
+    pol, mtp = _models("copy")
+    y, n = 3, 1 + 6 * 4
+    scfg = sampling.SamplingConfig(temperature=1.0, max_new_tokens=n, eos_ids=(-1,))
+    perm = jnp.asarray(np.random.default_rng(0).permutation(CFG.vocab_size))
+    toks, lens = sampling.pad_prompts(PROMPTS)
+    out = jax.device_get(speculative.sample_jit(
+        *pol, *mtp, toks, lens, jax.random.key(1), scfg, SpecConfig(y, "rejection"), perm
+    ))  # fmt: skip
+    np.testing.assert_array_equal(out.stats.accepts, out.stats.attempts)
+    half = perm[: CFG.vocab_size // 2]
+    out = jax.device_get(speculative.sample_jit(
+        *pol, *mtp, *sampling.pad_prompts(PROMPTS * 8), jax.random.key(2), scfg,
+        SpecConfig(y, "rejection"), half,
+    ))  # fmt: skip
+    st = out.stats
+    acc = st.status == ACCEPTED
+    assert np.isin(out.sample.tokens[acc], np.asarray(half)).all()
+    drafted = acc | (st.status == 0)
+    rate = st.accepts.sum() / st.attempts.sum()
+    assert 0.05 < rate < 0.95
+    assert abs(rate - st.overlap[drafted].mean()) < 0.08  # sample size: ~500 drafts
 
 
 @pytest.mark.parametrize("rule", ["rejection", "target_only"])

@@ -75,8 +75,9 @@ def greedy_accuracy(pol, tok, task, cfg: RunConfig) -> float:
 class Rollouts:
     """Prompts of batch i, the sampler (plain or speculative), rewards, learner arrays."""
 
-    def __init__(self, cfg: RunConfig, pol_gd, mtp_gd, tok, task, record: bool):
+    def __init__(self, cfg: RunConfig, pol_gd, mtp_gd, tok, task, record: bool, vocab=None):
         self.cfg, self.pol_gd, self.mtp_gd, self.tok, self.task = cfg, pol_gd, mtp_gd, tok, task
+        self.vocab = vocab  # the MTP's draft vocabulary (None: full)
         self.scfg = distill.sampling_config(cfg, tok)
         r = cfg.rollout
         self.spec = None
@@ -96,8 +97,9 @@ class Rollouts:
         if spec is None:
             return sampling.sample_jit(self.pol_gd, pol_params, toks, lens, key, self.scfg), None
         out = speculative.sample_jit(
-            self.pol_gd, pol_params, self.mtp_gd, mtp_params, toks, lens, key, self.scfg, spec
-        )
+            self.pol_gd, pol_params, self.mtp_gd, mtp_params, toks, lens, key, self.scfg, spec,
+            self.vocab,
+        )  # fmt: skip
         return out.sample, out
 
     def __call__(self, i, version, pol_params, mtp_params, mtp_version) -> loop.RolloutBatch:
@@ -179,10 +181,12 @@ def run(cfg: RunConfig, workdir: Path, mesh, stop_at_step: int | None = None) ->
     pol_gd, pol_params, tok = policies.load(cfg, workdir, mesh)
     pol_cfg = model.graphdef_config(pol_gd, pol_params)
     task = rewards.make_task(cfg.task)
+    vocab = None
     if rl.mtp_strategy == "growmtp" or "mtp" not in cfg.stages:
         mtp_gd, mtp_params = mtp_train.init_mtp(cfg, pol_cfg, mesh)
     else:
         mtp_gd, mtp_params = mtp_train.load_trained(cfg, workdir, pol_cfg, mesh)
+        vocab = mtp_train.load_draft_vocab(Path(workdir) / "mtp")
 
     acc_before = greedy_accuracy((pol_gd, pol_params), tok, task, cfg)
     opt = make_optimizer(rl.optim, rl.steps)
@@ -215,7 +219,7 @@ def run(cfg: RunConfig, workdir: Path, mesh, stop_at_step: int | None = None) ->
         mtp_fn = growmtp_loss(pol_gd, mtp_gd, cfg.mtp.train_steps, cfg.mtp.chunk, temp)
     else:
         mtp_fn = mtp_train.mtp_loss(
-            pol_gd, mtp_gd, rl.mtp_loss, cfg.mtp.train_steps, cfg.mtp.chunk, temp
+            pol_gd, mtp_gd, rl.mtp_loss, cfg.mtp.train_steps, cfg.mtp.chunk, temp, vocab
         )
     policy_step = make_train_step(grpo_loss, opt)
     mtp_step = make_train_step(mtp_fn, mtp_opt)
@@ -230,7 +234,9 @@ def run(cfg: RunConfig, workdir: Path, mesh, stop_at_step: int | None = None) ->
 
         joint_step = jax.jit(joint, donate_argnums=(0, 1))
 
-    rollouts = Rollouts(cfg, pol_gd, mtp_gd, tok, task, record=rl.mtp_strategy == "growmtp")
+    rollouts = Rollouts(
+        cfg, pol_gd, mtp_gd, tok, task, record=rl.mtp_strategy == "growmtp", vocab=vocab
+    )
     store = loop.WeightStore(keep=rl.max_staleness + 2)
     store.publish(
         versions["policy"], loop.snapshot(pol_state.params), loop.snapshot(mtp_state.params),
