@@ -243,7 +243,7 @@ class MTPConfig:
     def validate(self, p: str = "mtp.") -> None:
         _positive(self, p, "num_layers", "train_steps", "steps", "batch_size", "chunk")
         _positive(self, p, "log_every", "eval_prompts", "eval_draft")
-        losses = ("ce", "kl", "reverse_kl", "tv", "e2e_tv", "dca")
+        losses = ("ce", "kl", "reverse_kl", "tv", "e2e_tv", "e2e_tv_partial", "dca")
         _require(self.loss in losses, p + "loss", f"unknown {self.loss!r}; known: {losses}")
         _require(self.warmup_loss in losses, p + "warmup_loss", f"unknown {self.warmup_loss!r}")
         _require(
@@ -288,7 +288,7 @@ class RLConfig:
         _require(self.reward_retries >= 0, p + "reward_retries", "must be >= 0")
         strategies = ("frozen", "online", "joint", "growmtp")
         _require(self.mtp_strategy in strategies, p + "mtp_strategy", f"one of {strategies}")
-        losses = ("ce", "kl", "reverse_kl", "tv", "e2e_tv", "dca")
+        losses = ("ce", "kl", "reverse_kl", "tv", "e2e_tv", "e2e_tv_partial", "dca")
         _require(self.mtp_loss in losses, p + "mtp_loss", f"unknown {self.mtp_loss!r}")
         self.optim.validate(p + "optim.")
         self.mtp_optim.validate(p + "mtp_optim.")

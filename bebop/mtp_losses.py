@@ -14,6 +14,7 @@ the KL terms (pass 2). Autodiffed passes are rematerialised per chunk; TV has an
   tv          1 − α,  α_k = Σ_v min(p_k, q_k)                            (per-step mean)
               ∂L/∂z_j = −q_j (1[q_j ≤ p_j] − S),  S = Σ_v 1[q_v ≤ p_v] q_v (ties accepted)
   e2e_tv      1 − (1/Y) Σ_{j=1..Y} Π_{i≤j} α_i    (Bebop Eq. 13: one minus normalised E[accept])
+  e2e_tv_partial  the same, chains cut at the sequence end instead of masked (see its doc)
   dca         −log Σ_{l=1..m} Π_{i≤l} α_i          (GrowMTP; m = accepted + 1 when known, else Y)
 `p` is detached (self-distillation); chains that cross a sequence end are masked for e2e_tv / dca.
 
@@ -241,6 +242,25 @@ def e2e_tv_loss(
     return _masked_mean(1.0 - expected_accept, anchor_ok), metrics
 
 
+def e2e_tv_partial_loss(
+    draft, target, head, tokens, mask, chunk=8192, temperature=1.0, accept_len=None,
+    target_lse=None,
+):  # fmt: skip
+    """`e2e_tv` with chains cut at the end of the response instead of dropped: an anchor whose
+    step 1 is supervised counts Π_{i≤j} α_i for its supervised steps j only (what it can accept
+    before the sequence ends). `e2e_tv` drops every anchor within Y + 1 tokens of the end, so on
+    short responses the last tokens are never a step-1 target."""
+    del accept_len
+    a, valid = _alphas(_prepare(draft, target, tokens, mask, target_lse), head, chunk, temperature)
+    reach = jnp.cumprod(valid.astype(jnp.float32), axis=0)  # steps before the end
+    prods = jnp.cumprod(a, axis=0) * reach
+    metrics = {
+        **_per_step_metrics(a, valid),
+        "accept_len": _masked_mean(1 + prods.sum(0), valid[0]),
+    }
+    return _masked_mean(1.0 - prods.mean(axis=0), valid[0]), metrics
+
+
 def dca_loss(
     draft, target, head, tokens, mask, chunk=8192, temperature=1.0, accept_len=None,
     target_lse=None,
@@ -264,6 +284,7 @@ MTP_LOSSES = {
     "reverse_kl": reverse_kl_loss,
     "tv": tv_loss,
     "e2e_tv": e2e_tv_loss,
+    "e2e_tv_partial": e2e_tv_partial_loss,
     "dca": dca_loss,
 }
 

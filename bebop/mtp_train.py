@@ -101,10 +101,21 @@ def select_draft_vocab(tokens, mask, size: int, eos_ids, vocab_size: int) -> np.
     return np.sort(np.asarray(eos + rest, np.int32))
 
 
-def load_draft_vocab(mtp_dir: Path) -> np.ndarray | None:
-    """The draft vocabulary an `mtp` stage saved next to its checkpoints (None: full vocab)."""
+def load_draft_vocab(mtp_dir: Path, vocab_size: int | None = None) -> np.ndarray | None:
+    """The draft vocabulary an `mtp` stage saved next to its checkpoints (None: full vocab),
+    checked: distinct int token ids (below `vocab_size` when given)."""
     path = Path(mtp_dir) / "draft_vocab.npy"
-    return np.load(path, allow_pickle=False) if path.exists() else None
+    if not path.exists():
+        return None
+    ids = np.load(path, allow_pickle=False)
+    ok = ids.ndim == 1 and ids.size > 0 and np.issubdtype(ids.dtype, np.integer)
+    ok = ok and len(np.unique(ids)) == ids.size and int(ids.min()) >= 0
+    if not ok or (vocab_size is not None and int(ids.max()) >= vocab_size):
+        raise ValueError(
+            f"{path}: not a draft vocabulary (want distinct int token ids in [0, "
+            f"{vocab_size or 'V'}), got {ids.dtype} shape {ids.shape})"
+        )
+    return ids.astype(np.int32)
 
 
 def init_mtp(cfg: RunConfig, pol_cfg, mesh):

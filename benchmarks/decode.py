@@ -133,7 +133,7 @@ def main():
         mtp_gd, mtp_params = mtp_lib.init(loaded.cfg, 1, seed=0)
         opt = make_optimizer(config_lib.OptimConfig(), 1)
         mtp = (mtp_gd, restore_params(Path(args.mtp_ckpt), mtp_params, opt, mesh))
-        vocab = mtp_train.load_draft_vocab(Path(args.mtp_ckpt).parent)
+        vocab = mtp_train.load_draft_vocab(Path(args.mtp_ckpt).parent, loaded.cfg.vocab_size)
         vocab = None if vocab is None else jnp.asarray(vocab)
     # transformers' own GGUF loader needs `accelerate`; export the identical dequantized weights
     # to a HF directory instead (bebop's exporter, parity-tested against transformers).

@@ -76,7 +76,7 @@ def load_models(args, mesh):
 
         pol_gd, pol_params, tok = policies.load(cfg, wd, mesh)
         mtp = mtp_train.load_trained(cfg, wd, cfg.model, mesh)
-        vocab = mtp_train.load_draft_vocab(wd / "mtp")
+        vocab = mtp_train.load_draft_vocab(wd / "mtp", cfg.model.vocab_size)
         ids = prompts.prompt_ids(cfg, tok, max(args.batches), "bench", "task")
         return (pol_gd, pol_params), mtp, vocab, tok, ids, "trained (demo mtp stage)"
     from bebop import mtp_train
@@ -89,7 +89,7 @@ def load_models(args, mesh):
     if args.mtp_ckpt:  # DIR/mtp/ckpt; the draft vocabulary, if any, is DIR/mtp/draft_vocab.npy
         opt = make_optimizer(config_lib.OptimConfig(), 1)
         mtp_params = restore_params(Path(args.mtp_ckpt), mtp_params, opt, mesh)
-        vocab = mtp_train.load_draft_vocab(Path(args.mtp_ckpt).parent)
+        vocab = mtp_train.load_draft_vocab(Path(args.mtp_ckpt).parent, pol_cfg.vocab_size)
         source = args.mtp_ckpt
     cfg = config_lib.RunConfig()
     ids = prompts.prompt_ids(cfg, tok, max(args.batches), "bench", "mixed")

@@ -57,6 +57,8 @@ def naive(name, draft, target, head, tokens, mask, temperature=1.0):
         return _mean(1 - alpha, valid)
     if name == "e2e_tv":
         return _mean(1 - prods.mean(0), ok)
+    if name == "e2e_tv_partial":  # chains cut at the end: steps after the first unsupervised one
+        return _mean(1 - (prods * jnp.cumprod(valid, 0)).mean(0), valid[0])
     if name == "dca":
         return _mean(-jnp.log(prods.sum(0)), ok)
     raise KeyError(name)
@@ -72,6 +74,21 @@ def test_chunked_equals_naive(name, chunk):
     assert float(got) >= 0.0
 
 
+def test_partial_chains_train_step_one_near_the_end_of_a_sequence():
+    """Anchor t = T - 3: step 1 (token T-1) is supervised, step 2 would pass the end. `e2e_tv`
+    drops the whole chain (zero gradient there); `e2e_tv_partial` trains its step 1."""
+    draft, target, head, tokens, _ = _inputs(seed=6)
+    mask = jnp.ones((B, T))
+
+    def loss(d, name):
+        return L.MTP_LOSSES[name](d, target, head, tokens, mask, chunk=8)[0]
+
+    grads = {name: jax.grad(loss)(draft, name) for name in ("e2e_tv", "e2e_tv_partial")}
+    assert float(jnp.abs(grads["e2e_tv"][0, :, T - 3]).max()) == 0.0
+    assert float(jnp.abs(grads["e2e_tv_partial"][0, :, T - 3]).max()) > 1e-4
+    assert float(jnp.abs(grads["e2e_tv_partial"][1:, :, T - 3]).max()) == 0.0  # past the end
+
+
 def test_tv_of_identical_distributions_is_zero():
     draft, _, head, tokens, mask = _inputs()
     target = draft[0]
@@ -81,7 +98,7 @@ def test_tv_of_identical_distributions_is_zero():
     np.testing.assert_allclose(metrics["alpha_1"], 1.0, atol=1e-6)
 
 
-@pytest.mark.parametrize("name", ["tv", "e2e_tv", "dca", "kl", "reverse_kl", "ce"])
+@pytest.mark.parametrize("name", list(L.MTP_LOSSES))
 def test_gradients_equal_autodiff_of_naive_reference(name):
     draft, target, head, tokens, mask = _inputs(seed=1)
     got = jax.grad(lambda d: L.MTP_LOSSES[name](d, target, head, tokens, mask, chunk=8)[0])(draft)
@@ -127,6 +144,8 @@ def naive_subset(name, draft, target, head, tokens, mask, temperature=1.0):
         return _mean(1 - alpha, valid)
     if name == "e2e_tv":
         return _mean(1 - prods.mean(0), ok)
+    if name == "e2e_tv_partial":
+        return _mean(1 - (prods * jnp.cumprod(valid, 0)).mean(0), valid[0])
     return _mean(-jnp.log(prods.sum(0)), ok)  # dca
 
 

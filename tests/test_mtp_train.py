@@ -13,7 +13,7 @@ from bebop import model
 from bebop import mtp as mtp_lib
 from bebop.config import OptimConfig
 from bebop.mtp_losses import MTP_LOSSES
-from bebop.mtp_train import mtp_loss, policy_hiddens, select_draft_vocab
+from bebop.mtp_train import load_draft_vocab, mtp_loss, policy_hiddens, select_draft_vocab
 from bebop.train import TrainState, make_optimizer, make_train_step
 
 from .helpers import random_policy
@@ -55,6 +55,18 @@ def test_draft_vocabulary_is_the_most_frequent_supervised_tokens_plus_eos():
     np.testing.assert_array_equal(select_draft_vocab(tokens, mask, 4, (), 12), [0, 5, 7, 9])
     with pytest.raises(ValueError, match="mtp.draft_vocab=13"):
         select_draft_vocab(tokens, mask, 13, (2,), 12)
+
+
+@pytest.mark.parametrize(
+    "bad", [np.array([3, 3, 5]), np.array([[1, 2]]), np.array([1.0, 2.0]), np.array([4, 99])]
+)
+def test_a_corrupt_draft_vocabulary_file_is_refused(tmp_path, bad):
+    np.save(tmp_path / "draft_vocab.npy", bad)
+    with pytest.raises(ValueError, match="draft_vocab.npy: not a draft vocabulary"):
+        load_draft_vocab(tmp_path, vocab_size=23)
+    np.save(tmp_path / "draft_vocab.npy", np.array([7, 2, 11]))
+    np.testing.assert_array_equal(load_draft_vocab(tmp_path, vocab_size=23), [7, 2, 11])
+    assert load_draft_vocab(tmp_path / "missing") is None
 
 
 def test_draft_vocabulary_mtp_loss_trains_only_the_mtp(setup):

@@ -186,7 +186,7 @@ def run(cfg: RunConfig, workdir: Path, mesh, stop_at_step: int | None = None) ->
         mtp_gd, mtp_params = mtp_train.init_mtp(cfg, pol_cfg, mesh)
     else:
         mtp_gd, mtp_params = mtp_train.load_trained(cfg, workdir, pol_cfg, mesh)
-        vocab = mtp_train.load_draft_vocab(Path(workdir) / "mtp")
+        vocab = mtp_train.load_draft_vocab(Path(workdir) / "mtp", pol_cfg.vocab_size)
 
     acc_before = greedy_accuracy((pol_gd, pol_params), tok, task, cfg)
     opt = make_optimizer(rl.optim, rl.steps)

@@ -12,7 +12,9 @@ paper's (METHOD §7). Last line: one JSON object with the table.
     python experiments/mtp_loss_ablation/run.py --model smollm2
 
 Every run is a `launch.py` run under `--workdir/<model>/`: `base/` (policy, distill data, the
-warm start), one directory per loss (`<loss>/mtp/ckpt`, `draft_vocab.npy`, `metrics.jsonl`).
+warm start), one directory per loss (`<loss>/mtp/ckpt`, `draft_vocab.npy`, `metrics.jsonl`). As
+in the pipeline, finished runs (a `summary.json`) are reused, so `--losses` can add an arm
+(e.g. `e2e_tv_partial`, not in the paper) to a finished ablation; delete a directory to redo it.
 """
 
 from __future__ import annotations
@@ -29,7 +31,7 @@ REPO = Path(__file__).resolve().parents[2]
 LOSSES = ("ce", "kl", "reverse_kl", "tv", "e2e_tv")
 # Bebop Table 2: RS acceptance gain over CE, in points, over its five benchmarks (METHOD §7).
 PAPER_DELTA = {"ce": "0", "kl": "≈ +0", "reverse_kl": "≤ +1.3", "tv": "+1.4 to +5.2",
-               "e2e_tv": "+2.3 to +8.0"}  # fmt: skip
+               "e2e_tv": "+2.3 to +8.0", "e2e_tv_partial": "(not in the paper)"}  # fmt: skip
 MODELS = {
     "demo": dict(
         config="configs/demo.py",
@@ -76,7 +78,7 @@ def table(rows: dict) -> str:
             "Δ RS acc. vs CE (points) | paper Δ |\n|---|---|---|---|---|---|---|---|")  # fmt: skip
     lines = [head]
     for loss, r in rows.items():
-        if loss not in LOSSES:
+        if loss not in PAPER_DELTA:
             continue
         delta = 100 * (r["rs_accept"] - rows["ce"]["rs_accept"])
         lines.append(
@@ -87,7 +89,7 @@ def table(rows: dict) -> str:
     return "\n".join(lines)
 
 
-def ablate(name: str, root: Path, warm_steps: int, steps: int, overrides) -> dict:
+def ablate(name: str, root: Path, warm_steps: int, steps: int, overrides, losses) -> dict:
     spec = MODELS[name]
     root = root / name
     base = root / "base"
@@ -99,8 +101,12 @@ def ablate(name: str, root: Path, warm_steps: int, steps: int, overrides) -> dic
     ])  # fmt: skip
     rows, wall = {"warm_start": row(base_res["mtp"]["after"])}, {}
     print(f"[{name}] warm start (CE x {warm_steps}): {rows['warm_start']}", flush=True)
-    for loss in LOSSES:
+    for loss in losses:
         wd = root / loss
+        done = wd / "mtp" / "summary.json"
+        if done.exists():  # finished earlier: reuse
+            rows[loss], wall[loss] = row(json.loads(done.read_text())["after"]), None
+            continue
         shutil.rmtree(wd, ignore_errors=True)
         wd.mkdir(parents=True)
         for stage in spec["policy_stages"]:
@@ -128,6 +134,7 @@ def main():
     ap.add_argument("--warm_steps", type=int, default=0, help="0: the model's default")
     ap.add_argument("--steps", type=int, default=0, help="0: the model's default")
     ap.add_argument("--override", action="append", default=[], help="extra config overrides")
+    ap.add_argument("--losses", default=",".join(LOSSES), help="comma-separated; ce first")
     args = ap.parse_args()
     root = Path(args.workdir).absolute()
     names = list(MODELS) if args.model == "both" else [args.model]
@@ -135,7 +142,8 @@ def main():
     for name in names:
         spec = MODELS[name]
         out[name] = ablate(name, root, args.warm_steps or spec["warm_steps"],
-                           args.steps or spec["steps"], args.override)  # fmt: skip
+                           args.steps or spec["steps"], args.override,
+                           args.losses.split(","))  # fmt: skip
     print(json.dumps(out))
 
 
