@@ -54,7 +54,7 @@ class ModelConfig:
     dtype: str = "float32"  # activations and parameters; logits and softmax are always float32
     # lax.scan over the stacked layers (compiles fastest; no weight copies). False: layers
     # unrolled; decode loops slice each layer's weights once before the loop (`decode_layers`,
-    # one extra copy of the weights; faster decode on CPU, see benchmarks/decode.py).
+    # one extra copy of the weights; on CPU faster at batch 1, slower at 8: benchmarks/decode.py).
     scan_layers: bool = True
     init_std: float = 0.02
 

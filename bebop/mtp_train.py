@@ -7,6 +7,10 @@ under `stop_gradient`. Each step: one policy forward for the hiddens -> `mtp.tra
 Every `mtp.eval_every` steps the real speculative sampler (γ = `mtp.eval_draft`, `rejection` and
 `target_only`) runs on held-out prompts and logs per-position acceptance, accept length, mean
 policy entropy and the analytic acceptance Σ min(p, q) of the drafted positions.
+
+`mtp.draft_vocab = K`: the draft head keeps the K tokens most frequent in the distill responses
+(`select_draft_vocab`), saved as `DIR/mtp/draft_vocab.npy` for the samplers (`load_draft_vocab`).
+`mtp.cache_hidden`: the policy's hiddens over the distill set are computed once (`policy_hiddens`).
 """
 
 from __future__ import annotations
