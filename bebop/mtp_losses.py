@@ -227,19 +227,27 @@ def _chains(a_YxBxT, valid_YxBxT):
     return jnp.cumprod(a_YxBxT, axis=0), jnp.all(valid_YxBxT, axis=0)
 
 
-def e2e_tv_loss(
-    draft, target, head, tokens, mask, chunk=8192, temperature=1.0, accept_len=None,
-    target_lse=None,
-):  # fmt: skip
-    del accept_len
+def _e2e_tv(draft, target, head, tokens, mask, chunk, temperature, target_lse, partial: bool):
     a, valid = _alphas(_prepare(draft, target, tokens, mask, target_lse), head, chunk, temperature)
-    prods, anchor_ok = _chains(a, valid)
+    if partial:  # the steps before the first unsupervised one count; step 1 must be supervised
+        prods = jnp.cumprod(a, axis=0) * jnp.cumprod(valid.astype(jnp.float32), axis=0)
+        anchor_ok = valid[0]
+    else:
+        prods, anchor_ok = _chains(a, valid)
     expected_accept = prods.mean(axis=0)  # (1/Y) Σ_j Π_{i≤j} α_i
     metrics = {
         **_per_step_metrics(a, valid),
         "accept_len": _masked_mean(1 + prods.sum(0), anchor_ok),
     }
     return _masked_mean(1.0 - expected_accept, anchor_ok), metrics
+
+
+def e2e_tv_loss(
+    draft, target, head, tokens, mask, chunk=8192, temperature=1.0, accept_len=None,
+    target_lse=None,
+):  # fmt: skip
+    del accept_len
+    return _e2e_tv(draft, target, head, tokens, mask, chunk, temperature, target_lse, False)
 
 
 def e2e_tv_partial_loss(
@@ -251,14 +259,7 @@ def e2e_tv_partial_loss(
     before the sequence ends). `e2e_tv` drops every anchor within Y + 1 tokens of the end, so on
     short responses the last tokens are never a step-1 target."""
     del accept_len
-    a, valid = _alphas(_prepare(draft, target, tokens, mask, target_lse), head, chunk, temperature)
-    reach = jnp.cumprod(valid.astype(jnp.float32), axis=0)  # steps before the end
-    prods = jnp.cumprod(a, axis=0) * reach
-    metrics = {
-        **_per_step_metrics(a, valid),
-        "accept_len": _masked_mean(1 + prods.sum(0), valid[0]),
-    }
-    return _masked_mean(1.0 - prods.mean(axis=0), valid[0]), metrics
+    return _e2e_tv(draft, target, head, tokens, mask, chunk, temperature, target_lse, True)
 
 
 def dca_loss(
