@@ -82,7 +82,8 @@ def load_models(args, mesh):
     from bebop import mtp_train
     from bebop.checkpoints import gguf
 
-    loaded, tok = gguf.load(gguf.find_smollm2(), mesh, scan_layers=False)  # faster decode
+    # unrolled decode: faster at batch 1, slower at batch 8 (benchmarks/decode.py)
+    loaded, tok = gguf.load(gguf.find_smollm2(), mesh, scan_layers=False)
     pol_cfg = loaded.cfg
     mtp_gd, mtp_params = mtp_lib.init(pol_cfg, 1, seed=0)
     source, vocab = "random init", None
