@@ -1,9 +1,18 @@
-"""Orbax checkpoints: async save, keep N, restore newest -> older, auto-resume.
+"""Orbax checkpoints: async save, keep N, restore newest -> older, auto-resume, read-only readers.
 
 One checkpoint holds the train-state pytree (`state`) and a JSON side-car (`meta`: data-iterator
 state, versions, anything small). `restore_latest` tries steps from newest to oldest: a step folder
 that looks finalized but is partial or corrupt is renamed to `corrupt-<step>` (kept for inspection,
 no longer counted by `max_to_keep`) once an older one restores.
+
+Only the run that owns a directory (it holds the workdir lock) opens it writable: that manager
+removes leftover `*.orbax-checkpoint-tmp-*` folders of its own interrupted saves. Everyone else
+(a later stage, `mtp.init_from`, `distill.draft_from`, a benchmark's `--mtp_ckpt`) opens it with
+`read_only=True`: nothing is cleaned, renamed or deleted, so a live run's in-flight save survives.
+
+Every step saved holds a state the training guards trusted (`bebop/fit.py` never saves a skipped
+or diverged step), so the newest step is always the last good one and `keep` only removes older
+good ones.
 """
 
 from __future__ import annotations
@@ -22,18 +31,30 @@ class CheckpointRestoreError(RuntimeError):
 
 
 class Checkpointer:
-    def __init__(self, directory: Path, keep: int, async_save: bool = True):
+    def __init__(
+        self, directory: Path, keep: int = 1, async_save: bool = True, read_only: bool = False
+    ):
         self.directory = Path(directory).absolute()
-        self.directory.mkdir(parents=True, exist_ok=True)
-        options = ocp.CheckpointManagerOptions(
-            max_to_keep=keep,
-            enable_async_checkpointing=async_save,
-            cleanup_tmp_directories=True,
-            create=True,
-        )
+        self.read_only = read_only
+        if read_only:
+            if not self.directory.is_dir():
+                raise FileNotFoundError(f"{self.directory}: no checkpoint directory")
+            options = ocp.CheckpointManagerOptions(
+                read_only=True, cleanup_tmp_directories=False, create=False
+            )
+        else:
+            self.directory.mkdir(parents=True, exist_ok=True)
+            options = ocp.CheckpointManagerOptions(
+                max_to_keep=keep,
+                enable_async_checkpointing=async_save,
+                cleanup_tmp_directories=True,  # our own interrupted saves (we hold the lock)
+                create=True,
+            )
         self.manager = ocp.CheckpointManager(self.directory, options=options)
 
     def save(self, step: int, state, meta: dict, force: bool = False) -> None:
+        if self.read_only:
+            raise RuntimeError(f"{self.directory} was opened read-only")
         args = ocp.args.Composite(state=ocp.args.StandardSave(state), meta=ocp.args.JsonSave(meta))
         self.manager.save(step, args=args, force=force)
 
@@ -41,7 +62,8 @@ class Checkpointer:
         """Returns (step, state, meta) of the newest restorable step, or None if there is none.
 
         `abstract_state` is a pytree of `jax.ShapeDtypeStruct` (with shardings) or arrays. Steps
-        newer than the one restored are quarantined. If no step restores, nothing is touched and
+        newer than the one restored are quarantined (not by a read-only reader, which only
+        skips them). If no step restores, nothing is touched and
         `CheckpointRestoreError` is raised (most likely the config changed: starting afresh
         silently would hide it).
         """
@@ -73,6 +95,8 @@ class Checkpointer:
         return None
 
     def _quarantine(self, step: int) -> None:
+        if self.read_only:
+            return
         src = self.directory / str(step)
         if src.exists():
             src.rename(self.directory / f"corrupt-{step}")

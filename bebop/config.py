@@ -25,6 +25,16 @@ class ConfigError(ValueError):
     """A config value or key is invalid; the message names the key."""
 
 
+def check_vocab(tokenizer_size: int, vocab_size: int, tokenizer: str, model: str) -> None:
+    """At policy load time: a tokenizer with more ids than the model has embedding rows would
+    have its extra ids clipped silently (e.g. every sampled token read back as 0)."""
+    if tokenizer_size > vocab_size:
+        raise ConfigError(
+            f"config key 'policy.path': the tokenizer {tokenizer} has {tokenizer_size} tokens but "
+            f"the model {model} has vocab_size={vocab_size}; they do not belong together"
+        )
+
+
 def _require(ok: bool, key: str, msg: str) -> None:
     if not ok:
         raise ConfigError(f"config key '{key}': {msg}")
@@ -160,6 +170,11 @@ class DistributedConfig:
 
     def validate(self, p: str = "distributed.") -> None:
         _positive(self, p, "num_processes")
+        _require(
+            self.num_processes == 1 or bool(self.coordinator_address), p + "coordinator_address",
+            f"required with num_processes={self.num_processes} (host:port of process 0); or "
+            "leave num_processes=1 and set distributed.auto=True on a cluster JAX detects",
+        )  # fmt: skip
         _require(0 <= self.process_id < self.num_processes, p + "process_id", "out of range")
 
 
@@ -176,6 +191,9 @@ class PolicyConfig:
     def validate(self, p: str = "policy.") -> None:
         _require(self.source in ("sft", "gguf", "hf"), p + "source", f"unknown {self.source!r}")
         _require(self.source != "hf" or bool(self.path), p + "path", "required for source=hf")
+
+
+MAX_NEW_TOKENS = 32768  # rollouts longer than this are a typo, not a plan (KV caches grow with it)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -195,6 +213,10 @@ class RolloutConfig:
         _require(self.top_k >= 0, p + "top_k", "must be >= 0")
         _positive(self, p, "max_new_tokens", "num_draft")
         _require(
+            self.max_new_tokens <= MAX_NEW_TOKENS, p + "max_new_tokens",
+            f"{self.max_new_tokens} is more than the supported {MAX_NEW_TOKENS}",
+        )  # fmt: skip
+        _require(
             self.mode in ("plain", "rejection", "target_only"), p + "mode", f"unknown {self.mode!r}"
         )
 
@@ -205,11 +227,16 @@ class DistillConfig:
 
     num_samples: int = 2048
     batch_size: int = 256
-    prompts: str = "task"  # task (the demo task's prompts) | mixed (instructions, maths, code)
+    prompts: str = "task"  # task (the run's task: what RL will sample) | mixed (chat requests)
+    mixed_fraction: float = 0.0  # with prompts=task: this share of mixed chat prompts, interleaved
+    # An MTP checkpoint directory (`.../mtp/ckpt`): distil with the speculative sampler
+    # (rejection rule, γ = rollout.num_draft) -- the same output distribution, fewer policy passes.
+    draft_from: str = ""
 
     def validate(self, p: str = "distill.") -> None:
         _positive(self, p, "num_samples", "batch_size")
         _require(self.prompts in ("task", "mixed"), p + "prompts", f"unknown {self.prompts!r}")
+        _require(0.0 <= self.mixed_fraction <= 1.0, p + "mixed_fraction", "must be in [0, 1]")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -230,7 +257,14 @@ class MTPConfig:
     eval_every: int = 100
     eval_prompts: int = 64
     eval_draft: int = 3  # γ used by the evaluation's speculative sampler
-    init_from: str = ""  # an orbax MTP checkpoint directory to start from (else random)
+    init_from: str = ""  # an orbax MTP checkpoint directory to start from (else `init`)
+    # random | last_layer: each MTP block a copy of the backbone's last block, W_fc's hidden half
+    # the identity, the output norm the final norm (`mtp.init_from_last_layer`).
+    init: str = "random"
+    # Early stop: end training after `patience` evaluations without a new best RS accept length
+    # on the held-out task prompts (0 = run all `steps`).
+    patience: int = 0
+    eval_mixed_prompts: int = 0  # also evaluate on this many mixed chat prompts (0 = off)
     # Draft vocabulary: the MTP's head keeps only the `draft_vocab` tokens most frequent in the
     # distill data (EOS always in); 0 = the full vocabulary. Lossless under both rules (the
     # residual covers the rest); it cuts the draft head's cost by V / draft_vocab.
@@ -250,6 +284,9 @@ class MTPConfig:
             0 <= self.warmup_loss_steps <= self.steps, p + "warmup_loss_steps", "in [0, steps]"
         )
         _require(self.draft_vocab >= 0, p + "draft_vocab", "must be >= 0 (0 = full vocabulary)")
+        _require(self.init in ("random", "last_layer"), p + "init", "random | last_layer")
+        _require(self.patience >= 0, p + "patience", "must be >= 0 (0 = off)")
+        _require(self.eval_mixed_prompts >= 0, p + "eval_mixed_prompts", "must be >= 0")
         self.optim.validate(p + "optim.")
 
 
@@ -271,8 +308,11 @@ class RLConfig:
     mtp_every: int = 1  # online: MTP update cadence in learner steps
     reward_timeout_s: float = 30.0
     reward_retries: int = 1
+    reward_timeout_action: str = "error"  # error | zero: what a reward call past the bound gets
     log_every: int = 1
     eval_samples: int = 256  # greedy accuracy before / after RL on held-out problems
+    eval_every: int = 0  # also every this many RL steps (0 = off)
+    draft_log_rows: int = 4  # rows per step whose drafted tokens go to rl/draft_tokens.bin
     speedup_repeats: int = 2  # timed plain-vs-speculative rollouts at the end
     optim: OptimConfig = OptimConfig(lr=2e-5, warmup_steps=0, schedule="constant", grad_clip=1.0)
     mtp_optim: OptimConfig = OptimConfig(lr=3e-4, warmup_steps=10, schedule="cosine")
@@ -286,6 +326,12 @@ class RLConfig:
         _require(self.loss_agg in ("token", "sequence"), p + "loss_agg", "token | sequence")
         _require(self.max_staleness >= 0, p + "max_staleness", "must be >= 0")
         _require(self.reward_retries >= 0, p + "reward_retries", "must be >= 0")
+        _require(
+            self.reward_timeout_action in ("error", "zero"), p + "reward_timeout_action",
+            "error | zero",
+        )  # fmt: skip
+        _require(self.eval_every >= 0, p + "eval_every", "must be >= 0 (0 = off)")
+        _require(self.draft_log_rows >= 0, p + "draft_log_rows", "must be >= 0 (0 = off)")
         strategies = ("frozen", "online", "joint", "growmtp")
         _require(self.mtp_strategy in strategies, p + "mtp_strategy", f"one of {strategies}")
         losses = ("ce", "kl", "reverse_kl", "tv", "e2e_tv", "e2e_tv_partial", "dca")
@@ -302,7 +348,14 @@ class RunConfig:
     seed: int = 0
     stages: tuple[str, ...] = ("sft",)
     max_nonfinite: int = 5  # stop after this many consecutive skipped (non-finite) updates
-    tensorboard: bool = False
+    # Divergence guard (0 = off): stop when a step's loss exceeds `max_loss_spike` x the median
+    # of the previous 20 steps' losses, or the global parameter norm exceeds `max_param_growth` x
+    # its value at the stage's first step. Such a step is never checkpointed.
+    max_loss_spike: float = 0.0
+    max_param_growth: float = 100.0
+    tensorboard: bool = False  # also write <stage>/tb (needs tensorboardX, in requirements.txt)
+    profile_steps: int = 0  # jax.profiler trace of N steps after the first -> <stage>/profile
+    compile_cache: bool = True  # persistent XLA compilation cache in <workdir>/jax_cache
     model: ModelConfig = ModelConfig()
     mesh: MeshConfig = MeshConfig()
     task: TaskConfig = TaskConfig()
@@ -323,10 +376,40 @@ class RunConfig:
         for s in self.stages:
             _require(s in STAGES, "stages", f"unknown stage {s!r}; known: {STAGES}")
         _positive(self, "", "max_nonfinite")
+        # numpy/grain seeds must be non-negative; stages derive seeds by adding small offsets.
+        _require(0 <= self.seed < 2**31 - 1000, "seed", f"must be in [0, 2**31-1000): {self.seed}")
+        for k in ("max_loss_spike", "max_param_growth"):
+            _require(getattr(self, k) == 0 or getattr(self, k) > 1, k, "must be 0 (off) or > 1")
+        _require(self.profile_steps >= 0, "profile_steps", "must be >= 0 (0 = off)")
+        _require(
+            "rl" not in self.stages or self.rollout.temperature > 0, "rollout.temperature",
+            "must be > 0 with the rl stage: greedy rollouts make every GRPO group identical "
+            "(advantage 0, gradient 0)",
+        )  # fmt: skip
         for f in dataclasses.fields(self):
             v = getattr(self, f.name)
             if dataclasses.is_dataclass(v):
                 v.validate(f.name + ".")
+        self._check_kv_cache()
+
+    def _check_kv_cache(self, limit_bytes: int = 64 * 2**30) -> None:
+        """Rollout KV caches of the demo policy (`policy.source=sft`, whose architecture is known
+        before loading) must fit a generous bound; a gguf/hf policy's is checked by its length
+        bound only."""
+        if self.policy.source != "sft":
+            return
+        m, r = self.model, self.rollout
+        batch = max(
+            self.rl.prompts_per_step * self.rl.group_size if "rl" in self.stages else 1,
+            self.distill.batch_size if "distill" in self.stages else 1,
+        )
+        itemsize = 2 if m.dtype == "bfloat16" else 4
+        kv = 2 * m.num_layers * batch * m.num_kv_heads * r.max_new_tokens * m.head_dim * itemsize
+        _require(
+            kv <= limit_bytes, "rollout.max_new_tokens",
+            f"{r.max_new_tokens} new tokens need KV caches of at least {kv / 2**30:.0f} GiB "
+            f"(batch {batch}); the bound is {limit_bytes / 2**30:.0f} GiB",
+        )  # fmt: skip
 
 
 # ----------------------------------------------------------------------------- conversion
@@ -386,15 +469,27 @@ def to_dict(cfg) -> dict:
 def parse_arg(arg: str | None, **defaults):
     """Parses the `:arg` of `--config file.py:arg` ('runlocal,digits=3') into a namespace.
 
-    Bare words are boolean flags; `k=v` values are Python literals when they parse as such.
-    Unknown names are errors, so a typo cannot silently fall back to a default.
+    Bare words are boolean flags; `k=v` values are Python literals when they parse as such
+    (`true`/`false` in any case too). Unknown names are errors, so a typo cannot silently fall
+    back to a default, and so is a value whose type differs from a bool or int default
+    (`runlocal=false` must not parse as the truthy string 'false').
     """
     out = dict(defaults)
     for item in filter(None, (arg or "").split(",")):
         k, sep, v = item.partition("=")
         if k not in out:
             raise ConfigError(f"unknown config arg {k!r}; known: {sorted(out)}")
-        out[k] = _literal(v) if sep else True
+        value = _literal(v) if sep else True
+        if isinstance(value, str) and value.lower() in ("true", "false"):
+            value = value.lower() == "true"
+        if isinstance(defaults[k], bool) and value in (0, 1) and not isinstance(value, bool):
+            value = bool(value)
+        for tp in (bool, int):
+            if isinstance(defaults[k], tp) and type(value) is not type(defaults[k]):
+                raise ConfigError(
+                    f"config arg {k!r}: expected a {type(defaults[k]).__name__}, got {v!r}"
+                )
+        out[k] = value
     return types.SimpleNamespace(**out)
 
 
@@ -436,6 +531,15 @@ def _load_module(path: str):
     if not hasattr(module, "get_config"):
         raise ConfigError(f"config file {path} has no get_config(arg)")
     return module
+
+
+def sweep_entries(spec: str) -> list[dict]:
+    """The entries of the `sweep(arg)` of config file `spec` ('configs/x.py[:arg]')."""
+    path, _, arg = spec.partition(":")
+    sweep = getattr(_load_module(path), "sweep", None)
+    if sweep is None:
+        raise ConfigError(f"{path} defines no sweep()")
+    return [dict(e) for e in sweep(arg or None)]
 
 
 def load(

@@ -1,14 +1,19 @@
 """Stage `distill`: self-distillation data for MTP training.
 
-Samples responses from the frozen policy with the plain sampler at the rollout temperature and
-stores token ids only (nothing decoded) in `DIR/distill/`: `tokens.npy` `[N, S]` int32 (prompt,
-then response, right-padded) and `mask.npy` `[N, S]` (1 on response tokens). `DistillSource` reads
-them for grain with memory mapping.
+Samples responses from the frozen policy at the rollout temperature and stores token ids only
+(nothing decoded) in `DIR/distill/`: `tokens.npy` `[N, S]` int32 (prompt, then response,
+right-padded) and `mask.npy` `[N, S]` (1 on response tokens). `DistillSource` reads them for grain
+with memory mapping.
+
+Prompts (`distill.prompts`): the run's own task -- what RL will sample -- with a
+`distill.mixed_fraction` share of mixed chat requests so that the MTP generalises beyond the
+task's templates. Sampler: the plain one, or the speculative one with an existing MTP
+(`distill.draft_from`): its output distribution is exactly the policy's, it just needs fewer
+policy passes.
 """
 
 from __future__ import annotations
 
-import json
 import time
 from pathlib import Path
 
@@ -16,8 +21,9 @@ import grain
 import jax
 import numpy as np
 
-from bebop import policies, prompts, sampling
+from bebop import io, model, policies, prompts, sampling, speculative
 from bebop.config import RunConfig
+from bebop.metrics import Progress
 
 
 def sampling_config(cfg: RunConfig, tok, max_new_tokens: int | None = None):
@@ -29,40 +35,69 @@ def sampling_config(cfg: RunConfig, tok, max_new_tokens: int | None = None):
     )  # fmt: skip
 
 
-def run(cfg: RunConfig, workdir: Path, mesh) -> dict:
-    ddir = Path(workdir) / "distill"
-    ddir.mkdir(parents=True, exist_ok=True)
-    graphdef, params, tok = policies.load(cfg, workdir, mesh)
-    ids = prompts.prompt_ids(cfg, tok, cfg.distill.num_samples, "distill", cfg.distill.prompts)
-    scfg = sampling_config(cfg, tok)
+def sample_responses(pol, ids, scfg, rng, batch_size: int, draft=None, progress=None):
+    """Samples one response per prompt; returns `(tokens [N, S], mask [N, S])` as in the module
+    doc. `pol` = (graphdef, params); `draft` = (mtp graphdef, params, vocab, SpecConfig) to use
+    the speculative sampler; `progress(rows_done, tokens)` is called after each batch."""
     width = sampling.next_pow2(max(len(p) for p in ids)) + scfg.max_new_tokens
-    tokens = np.full((len(ids), width), tok.pad_id, np.int32)
+    tokens = np.full((len(ids), width), scfg.pad_id, np.int32)
     mask = np.zeros((len(ids), width), np.float32)
-    t0, rng = time.perf_counter(), jax.random.key(cfg.seed + 1)
-    bs = cfg.distill.batch_size
-    for start in range(0, len(ids), bs):
-        batch = ids[start : start + bs]
-        toks, lens = sampling.pad_prompts(batch, tok.pad_id)
-        out = jax.device_get(sampling.sample_jit(
-            graphdef, params, toks, lens, jax.random.fold_in(rng, start), scfg
-        ))  # fmt: skip
+    for start in range(0, len(ids), batch_size):
+        batch = ids[start : start + batch_size]
+        toks, lens = sampling.pad_prompts(batch, scfg.pad_id)
+        key = jax.random.fold_in(rng, start)
+        if draft is None:
+            out = sampling.sample_jit(*pol, toks, lens, key, scfg)
+        else:
+            mtp_gd, mtp_params, vocab, spec = draft
+            out = speculative.sample_jit(
+                *pol, mtp_gd, mtp_params, toks, lens, key, scfg, spec, vocab
+            ).sample
+        out = jax.device_get(out)
         for r, prompt in enumerate(batch):
-            n = int(out.lengths[r])
-            row = start + r
+            n, row = int(out.lengths[r]), start + r
             tokens[row, : len(prompt)] = prompt
             tokens[row, len(prompt) : len(prompt) + n] = out.tokens[r, :n]
             mask[row, len(prompt) : len(prompt) + n] = 1.0
+        if progress is not None:
+            progress(len(batch), int(np.asarray(out.lengths).sum()))
+    return tokens, mask
+
+
+def run(cfg: RunConfig, workdir: Path, mesh) -> dict:
+    ddir = Path(workdir) / "distill"
+    ddir.mkdir(parents=True, exist_ok=True)
+    d = cfg.distill
+    graphdef, params, tok = policies.load(cfg, workdir, mesh)
+    ids = prompts.blend(cfg, tok, d.num_samples, "distill", d.prompts, d.mixed_fraction)
+    draft = None
+    if d.draft_from:
+        pol_cfg = model.graphdef_config(graphdef, params)
+        mtp_gd, mtp_params, vocab = policies.load_mtp(cfg, Path(d.draft_from), pol_cfg, mesh)
+        spec = speculative.SpecConfig(cfg.rollout.num_draft, "rejection")
+        draft = (mtp_gd, mtp_params, vocab, spec)
+    bar = Progress(len(ids), 0, "distill")
+    t0 = time.perf_counter()
+    try:
+        tokens, mask = sample_responses(
+            (graphdef, params), ids, sampling_config(cfg, tok), jax.random.key(cfg.seed + 1),
+            d.batch_size, draft, progress=lambda rows, n: bar.update(rows, n),
+        )  # fmt: skip
+    finally:
+        bar.close()
     for name, arr in (("tokens", tokens), ("mask", mask)):  # atomic: a crash leaves no partial file
-        np.save(ddir / f"{name}.tmp.npy", arr, allow_pickle=False)
-        (ddir / f"{name}.tmp.npy").rename(ddir / f"{name}.npy")
+        io.save_array_atomic(ddir / f"{name}.npy", arr)
     summary = {
         "stage": "distill",
         "samples": len(ids),
-        "seq_len": width,
+        "prompts": d.prompts,
+        "mixed_fraction": d.mixed_fraction,
+        "sampler": "speculative" if draft else "plain",
+        "seq_len": tokens.shape[1],
         "response_tokens": int(mask.sum()),
         "sample_time_s": time.perf_counter() - t0,
     }
-    (ddir / "summary.json").write_text(json.dumps(summary, indent=2))
+    io.write_json_atomic(ddir / "summary.json", summary)
     return summary
 
 
@@ -72,8 +107,13 @@ class DistillSource:
         for name in ("tokens.npy", "mask.npy"):
             if not (directory / name).exists():
                 raise FileNotFoundError(f"{directory / name}: run the distill stage first")
-        self.tokens = np.load(directory / "tokens.npy", mmap_mode="r", allow_pickle=False)
-        self.mask = np.load(directory / "mask.npy", mmap_mode="r", allow_pickle=False)
+        self.tokens = io.load_array(directory / "tokens.npy", ndim=2, kind="i", mmap=True)
+        self.mask = io.load_array(directory / "mask.npy", ndim=2, kind="f", mmap=True)
+        if self.tokens.shape != self.mask.shape:
+            raise io.DamagedFileError(
+                f"{directory}: tokens.npy {self.tokens.shape} and mask.npy {self.mask.shape} "
+                "differ in shape; re-run the distill stage"
+            )
 
     def __len__(self) -> int:
         return self.tokens.shape[0]

@@ -4,6 +4,7 @@ TensorBoard, a progress bar with steps/s, tokens/s and ETA, and a small wall-clo
 from __future__ import annotations
 
 import json
+import logging
 import math
 import time
 from contextlib import contextmanager
@@ -12,6 +13,10 @@ from pathlib import Path
 import jax
 import numpy as np
 from tqdm.auto import tqdm
+
+from bebop.io import DamagedFileError
+
+log = logging.getLogger(__name__)
 
 
 def _plain(v):
@@ -23,25 +28,35 @@ def _plain(v):
 
 
 class MetricsWriter:
-    def __init__(self, path: Path, tensorboard_dir: Path | None = None):
+    def __init__(self, path: Path, tensorboard_dir: Path | None = None, config: dict | None = None):
         self.path = Path(path)
         self.enabled = jax.process_index() == 0
         self._tb = None
         if self.enabled and tensorboard_dir is not None:
-            try:
-                from tensorboardX import SummaryWriter
-            except ImportError as e:
-                raise ImportError(
-                    "tensorboard=True needs tensorboardX: pip install tensorboardX"
-                ) from e
+            SummaryWriter = tensorboard_writer_class()
             self._tb = SummaryWriter(str(tensorboard_dir))
+            if config is not None:
+                self._write_config(config)
+
+    def _write_config(self, config: dict) -> None:
+        """The run's config as text (TensorBoard's TEXT tab) and its scalar leaves as hparams."""
+        text = json.dumps(config, indent=2, sort_keys=True, default=str)
+        self._tb.add_text("config", "```\n" + text + "\n```", 0)
+        flat = {
+            k: v if isinstance(v, (bool, int, float, str)) else str(v)
+            for k, v in flatten(config).items()
+            if not isinstance(v, float) or math.isfinite(v)
+        }
+        self._tb.add_hparams(flat, {}, name="hparams")
 
     def truncate_after(self, step: int) -> None:
-        """On resume: drop records of steps after the restored checkpoint (they will be redone)."""
+        """On resume: drop records of steps after the restored checkpoint (they will be redone).
+        A cut-off last line (a crash mid-write) is dropped with a warning; any other unreadable
+        line is an error naming the file and line."""
         if not (self.enabled and self.path.exists()):
             return
-        keep = [ln for ln in self.path.read_text().splitlines() if json.loads(ln)["step"] <= step]
-        self.path.write_text("".join(ln + "\n" for ln in keep))
+        keep = [r for r in _records(self.path, repair=True) if r[1]["step"] <= step]
+        self.path.write_text("".join(ln + "\n" for ln, _ in keep))
 
     def write(self, step: int, metrics: dict) -> dict:
         record = {"step": int(step), **{k: _plain(v) for k, v in metrics.items()}}
@@ -59,8 +74,57 @@ class MetricsWriter:
             self._tb.close()
 
 
+def tensorboard_writer_class():
+    """tensorboardX's SummaryWriter; a missing package is a clear error (checked at launch)."""
+    try:
+        from tensorboardX import SummaryWriter
+    except ImportError as e:
+        raise ImportError(
+            "config key 'tensorboard': True needs tensorboardX (pinned in requirements.txt): "
+            "pip install -r requirements.txt"
+        ) from e
+    return SummaryWriter
+
+
+def flatten(d: dict, prefix: str = "") -> dict:
+    out = {}
+    for k, v in d.items():
+        if isinstance(v, dict):
+            out.update(flatten(v, f"{prefix}{k}."))
+        else:
+            out[prefix + k] = v
+    return out
+
+
+def _records(path: Path, repair: bool = False) -> list[tuple[str, dict]]:
+    """(line, record) pairs of a metrics file. A last line without its newline that does not
+    parse is a torn write: dropped (with a warning when `repair`). Anything else unreadable is a
+    `DamagedFileError` naming the file and line."""
+    raw = path.read_bytes()
+    text = raw.decode("utf-8", errors="replace")
+    lines = text.split("\n")
+    torn_ok = not text.endswith("\n")
+    out = []
+    for i, ln in enumerate(lines):
+        if not ln.strip():
+            continue
+        try:
+            rec = json.loads(ln)
+            if not isinstance(rec, dict) or not isinstance(rec.get("step"), int):
+                raise ValueError("not a record with an integer 'step'")
+        except ValueError as e:
+            if i == len(lines) - 1 and torn_ok:
+                if repair:
+                    log.warning("%s: dropping a cut-off last line (%r)", path, ln[:80])
+                continue
+            raise DamagedFileError(f"{path}: line {i + 1} is not a metrics record ({e})") from e
+        out.append((ln, rec))
+    return out
+
+
 def read_jsonl(path: Path) -> list[dict]:
-    return [json.loads(ln) for ln in Path(path).read_text().splitlines() if ln.strip()]
+    """The records of a `metrics.jsonl` (a cut-off last line of a live run is ignored)."""
+    return [rec for _, rec in _records(Path(path))]
 
 
 class Progress:

@@ -22,11 +22,14 @@ after verification and rewritten from backbone hiddens by the next catch-up.
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import jax
 import jax.numpy as jnp
+import numpy as np
 from flax import nnx
 
-from bebop import model
+from bebop import io, model
 from bebop.config import ModelConfig
 from bebop.kvcache import KVCache
 from bebop.model import DTYPES, Block, RMSNorm
@@ -62,6 +65,27 @@ class MTP(nnx.Module):
 
 def init(cfg: ModelConfig, num_layers: int, seed: int):
     return nnx.split(MTP(cfg, num_layers, nnx.Rngs(params=seed)))
+
+
+def init_from_last_layer(mtp_params, pol_params):
+    """MTP parameters started from the backbone (`mtp.init = "last_layer"`): every MTP layer's
+    decoder block is a copy of the policy's last block, `W_fc`'s hidden half is the identity (the
+    normed backbone hidden passes through; the embedding half keeps its random init), and the
+    output norm is the policy's final norm. At step 0 a draft step is then the policy's last
+    block applied once more to its own normed output."""
+    pol = nnx.to_pure_dict(pol_params)
+    out = nnx.to_pure_dict(mtp_params)
+    layers = out["layers"]
+    n = jax.tree.leaves(layers)[0].shape[0]
+    tile = lambda a: jnp.broadcast_to(a, (n,) + a.shape)  # noqa: E731
+    layers["block"] = jax.tree.map(lambda a: tile(a[-1]), pol["layers"])
+    layers["out_norm"] = jax.tree.map(tile, pol["final_norm"])
+    w = layers["w_fc"]
+    d = w.shape[-1]
+    layers["w_fc"] = w.at[:, d:, :].set(jnp.broadcast_to(jnp.eye(d, dtype=w.dtype), (n, d, d)))
+    new = jax.tree.map(lambda a: a, mtp_params)
+    nnx.replace_by_pure_dict(new, out)
+    return new
 
 
 def new_cache(cfg: ModelConfig, num_layers: int, batch: int, max_len: int) -> KVCache:
@@ -113,3 +137,35 @@ def extend(
     if head_DxK is None:
         return out, policy.head(normed), cache
     return out, normed.astype(jnp.float32) @ head_DxK, cache
+
+
+# ----------------------------------------------------------------------------- draft vocabulary
+
+
+def select_draft_vocab(tokens, mask, size: int, eos_ids, vocab_size: int) -> np.ndarray:
+    """The `size` token ids most frequent among the supervised (`mask` > 0) tokens, ties to the
+    lower id, EOS ids always included; sorted int32."""
+    if not 0 < size <= vocab_size:
+        raise ValueError(f"mtp.draft_vocab={size} must be in [1, {vocab_size}] (the vocabulary)")
+    counts = np.bincount(np.asarray(tokens)[np.asarray(mask) > 0], minlength=vocab_size)
+    order = np.lexsort((np.arange(vocab_size), -counts[:vocab_size]))
+    eos = [int(e) for e in eos_ids if 0 <= e < vocab_size][:size]
+    rest = [int(i) for i in order if int(i) not in eos][: size - len(eos)]
+    return np.sort(np.asarray(eos + rest, np.int32))
+
+
+def load_draft_vocab(mtp_dir: Path, vocab_size: int | None = None) -> np.ndarray | None:
+    """The draft vocabulary an `mtp` stage saved next to its checkpoints (None: full vocab),
+    checked: distinct int token ids (below `vocab_size` when given)."""
+    path = Path(mtp_dir) / "draft_vocab.npy"
+    if not path.exists():
+        return None
+    ids = io.load_array(path)  # a damaged or pickled file is an error naming it
+    ok = ids.ndim == 1 and ids.size > 0 and np.issubdtype(ids.dtype, np.integer)
+    ok = ok and len(np.unique(ids)) == ids.size and int(ids.min()) >= 0
+    if not ok or (vocab_size is not None and int(ids.max()) >= vocab_size):
+        raise ValueError(
+            f"{path}: not a draft vocabulary (want distinct int token ids in [0, "
+            f"{vocab_size or 'V'}), got {ids.dtype} shape {ids.shape})"
+        )
+    return ids.astype(np.int32)

@@ -16,7 +16,8 @@ the KL terms (pass 2). Autodiffed passes are rematerialised per chunk; TV has an
   e2e_tv      1 − (1/Y) Σ_{j=1..Y} Π_{i≤j} α_i    (Bebop Eq. 13: one minus normalised E[accept])
   e2e_tv_partial  the same, chains cut at the sequence end instead of masked (see its doc)
   dca         −log Σ_{l=1..m} Π_{i≤l} α_i          (GrowMTP; m = accepted + 1 when known, else Y)
-`p` is detached (self-distillation); chains that cross a sequence end are masked for e2e_tv / dca.
+`p` is detached (self-distillation); chains that cross a sequence end are masked for e2e_tv
+and cut at the end for e2e_tv_partial / dca.
 
 Draft vocabulary (`draft_loss(..., vocab=ids)`): q lives on K tokens, p stays the policy's full
 distribution (its log-normaliser over all V tokens is computed once per position, `target_lse`) and
@@ -266,17 +267,24 @@ def dca_loss(
     draft, target, head, tokens, mask, chunk=8192, temperature=1.0, accept_len=None,
     target_lse=None,
 ):  # fmt: skip
-    """`accept_len_BxT` (optional): drafts accepted + 1 in the cycle seeded at each anchor;
-    terms l > m are masked (verify-gated). Without it, m = Y."""
+    """Terms are masked one by one, as in `e2e_tv_partial`: a chain is cut at its first
+    unsupervised step (the end of the response), so every anchor whose step 1 is supervised
+    counts -- the answer tokens and EOS train the head too. `accept_len_BxT` (optional): drafts
+    accepted + 1 in the verify cycle seeded at each anchor, 0 where none; then only those anchors
+    count and terms l > m are masked (verify-gated). Without it, m = Y and every anchor counts.
+    Metric `gated_alpha_1`: mean α_1 over the gated anchors (the verifier's step-1 acceptance,
+    when the MTP and the target are the ones that drafted and verified)."""
     a, valid = _alphas(_prepare(draft, target, tokens, mask, target_lse), head, chunk, temperature)
-    prods, anchor_ok = _chains(a, valid)
-    y = a.shape[0]
+    prods = jnp.cumprod(a, axis=0) * jnp.cumprod(valid.astype(jnp.float32), axis=0)
+    anchor_ok = valid[0]
+    metrics = _per_step_metrics(a, valid)
     if accept_len is not None:  # only anchors that seeded a verify cycle, gated by its outcome
-        gate = jnp.arange(1, y + 1)[:, None, None] <= accept_len[None]
+        gate = jnp.arange(1, a.shape[0] + 1)[:, None, None] <= accept_len[None]
         prods = jnp.where(gate, prods, 0.0)
         anchor_ok = anchor_ok & (accept_len > 0)
+        metrics["gated_alpha_1"] = _masked_mean(a[0], anchor_ok)
     loss = -jnp.log(jnp.maximum(prods.sum(0), 1e-9))
-    return _masked_mean(loss, anchor_ok), _per_step_metrics(a, valid)
+    return _masked_mean(loss, anchor_ok), metrics
 
 
 MTP_LOSSES = {
@@ -292,14 +300,16 @@ MTP_LOSSES = {
 
 def draft_loss(
     name, draft, target, head_DxV, tokens, mask, *, vocab=None, chunk=8192, temperature=1.0,
-    accept_len=None,
+    accept_len=None, target_lse=None,
 ):  # fmt: skip
     """The loss `name` of `MTP_LOSSES`, optionally for a draft restricted to the token ids
-    `vocab` `[K]`: q over those K tokens, p the full-vocabulary target (see the module doc)."""
+    `vocab` `[K]`: q over those K tokens, p the full-vocabulary target (see the module doc).
+    `target_lse` `[B, T]`: the target's log-normaliser over the full vocabulary at `temperature`,
+    when the caller has it cached (a frozen policy); else computed here."""
     fn = MTP_LOSSES[name]
     kw = dict(chunk=chunk, temperature=temperature, accept_len=accept_len)
     if vocab is None:
-        return fn(draft, target, head_DxV, tokens, mask, **kw)
+        return fn(draft, target, head_DxV, tokens, mask, target_lse=target_lse, **kw)
     head_DxV = jax.lax.stop_gradient(head_DxV)
     head_DxK = jnp.take(head_DxV, vocab, axis=1)
     if name == "ce":  # labels as positions in the draft vocabulary; others unsupervised
@@ -310,7 +320,16 @@ def draft_loss(
         )
         sub_BxT = pos_V[tokens]
         return fn(draft, target, head_DxK, jnp.maximum(sub_BxT, 0), mask * (sub_BxT >= 0), **kw)
-    b, t, d = target.shape
-    hp_NxD = jax.lax.stop_gradient(target.astype(jnp.float32)).reshape(b * t, d)
-    lse_BxT = _lse(hp_NxD, *_chunks(head_DxV, chunk), temperature).reshape(b, t)
-    return fn(draft, target, head_DxK, tokens, mask, target_lse=lse_BxT, **kw)
+    if target_lse is None:
+        b, t, d = target.shape
+        hp_NxD = jax.lax.stop_gradient(target.astype(jnp.float32)).reshape(b * t, d)
+        target_lse = _lse(hp_NxD, *_chunks(head_DxV, chunk), temperature).reshape(b, t)
+    return fn(draft, target, head_DxK, tokens, mask, target_lse=target_lse, **kw)
+
+
+def target_lse(target_BxTxD, head_DxV, chunk: int = 8192, temperature: float = 1.0):
+    """The target's log-normaliser `[B, T]` over the full vocabulary (what `draft_loss` needs
+    when `vocab` is given), for caching next to a frozen policy's hiddens."""
+    b, t, d = target_BxTxD.shape
+    hp_NxD = target_BxTxD.astype(jnp.float32).reshape(b * t, d)
+    return _lse(hp_NxD, *_chunks(head_DxV, chunk), temperature).reshape(b, t)

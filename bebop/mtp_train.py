@@ -9,13 +9,15 @@ Every `mtp.eval_every` steps the real speculative sampler (γ = `mtp.eval_draft`
 policy entropy and the analytic acceptance Σ min(p, q) of the drafted positions.
 
 `mtp.draft_vocab = K`: the draft head keeps the K tokens most frequent in the distill responses
-(`select_draft_vocab`), saved as `DIR/mtp/draft_vocab.npy` for the samplers (`load_draft_vocab`).
-`mtp.cache_hidden`: the policy's hiddens over the distill set are computed once (`policy_hiddens`).
+(`mtp.select_draft_vocab`), saved as `DIR/mtp/draft_vocab.npy` for the samplers.
+`mtp.cache_hidden`: everything of the frozen target computed once over the distill set
+(`policy_hiddens`: hiddens and the full-vocabulary log-normalisers), so a step costs only the MTP's
+own work. `mtp.init`: random or the backbone's last layer. `mtp.patience`: stop once the held-out
+RS accept length stops improving. `mtp.eval_mixed_prompts`: also evaluate on mixed chat.
 """
 
 from __future__ import annotations
 
-import json
 from pathlib import Path
 
 import jax
@@ -23,11 +25,12 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
-from bebop import distill, model, policies, prompts, sampling, sharding, speculative
+from bebop import distill, io, model, policies, prompts, sampling, sharding, speculative
 from bebop import mtp as mtp_lib
 from bebop.config import RunConfig
 from bebop.fit import fit, restore_params
-from bebop.mtp_losses import draft_loss
+from bebop.mtp import load_draft_vocab, select_draft_vocab  # noqa: F401 - re-exported
+from bebop.mtp_losses import draft_loss, target_lse
 from bebop.train import TrainState, make_optimizer, make_train_step, schedule
 
 
@@ -50,10 +53,12 @@ def mtp_loss(
         draft_YxBxTxD = mtp_lib.train_hidden(
             mtp_gd, mtp_params, pol_gd, pol_params, tokens_BxT, hidden_BxTxD, train_steps
         )
+        lse = batch.get("target_lse")  # cached with the hiddens (`policy_hiddens`)
         return draft_loss(
             loss_name, draft_YxBxTxD, policy.final_norm(hidden_BxTxD), policy.head_matrix(),
             tokens_BxT, batch["mask"], vocab=vocab, chunk=chunk,
             temperature=max(temperature, 1e-3), accept_len=batch.get("accept_len"),
+            target_lse=None if lse is None else jax.lax.stop_gradient(lse),
         )  # fmt: skip
 
     return fn
@@ -73,72 +78,62 @@ def evaluate(pol, mtp, tok, cfg: RunConfig, prompt_ids, num_draft: int, vocab=No
     return res
 
 
-def policy_hiddens(pol_gd, pol_params, tokens_NxS, batch_size: int) -> np.ndarray:
-    """The frozen policy's last hidden states `[N, S, D]` (host, float32) of every row."""
+def policy_hiddens(pol_gd, pol_params, tokens_NxS, batch_size: int, temperature: float = 1.0):
+    """The frozen policy's last hidden states `[N, S, D]` and the log-normaliser of its
+    distribution at `temperature` over the full vocabulary `[N, S]` (host, float32), per row:
+    everything of the target that does not change while only the MTP trains."""
 
     @jax.jit
     def fn(params, tokens_BxS):
+        policy = nnx.merge(pol_gd, params)
         positions = jnp.broadcast_to(jnp.arange(tokens_BxS.shape[1]), tokens_BxS.shape)
-        return nnx.merge(pol_gd, params).hidden(tokens_BxS, positions)[0].astype(jnp.float32)
+        hidden = policy.hidden(tokens_BxS, positions)[0]
+        lse = target_lse(policy.final_norm(hidden), policy.head_matrix(), temperature=temperature)
+        return hidden.astype(jnp.float32), lse
 
     n = tokens_NxS.shape[0]
-    out = None
+    hiddens = lses = None
     for start in range(0, n, batch_size):
         rows = np.asarray(tokens_NxS[start : start + batch_size])
         pad = batch_size - rows.shape[0]  # keep one compiled shape
-        h = np.asarray(fn(pol_params, np.pad(rows, ((0, pad), (0, 0)))))[: rows.shape[0]]
-        if out is None:
-            out = np.empty((n,) + h.shape[1:], np.float32)
-        out[start : start + rows.shape[0]] = h
-    return out
+        h, lse = jax.device_get(fn(pol_params, np.pad(rows, ((0, pad), (0, 0)))))
+        if hiddens is None:
+            hiddens = np.empty((n,) + h.shape[1:], np.float32)
+            lses = np.empty((n,) + lse.shape[1:], np.float32)
+        hiddens[start : start + rows.shape[0]] = h[: rows.shape[0]]
+        lses[start : start + rows.shape[0]] = lse[: rows.shape[0]]
+    return hiddens, lses
 
 
-def select_draft_vocab(tokens, mask, size: int, eos_ids, vocab_size: int) -> np.ndarray:
-    """The `size` token ids most frequent among the supervised (`mask` > 0) tokens, ties to the
-    lower id, EOS ids always included; sorted int32."""
-    if not 0 < size <= vocab_size:
-        raise ValueError(f"mtp.draft_vocab={size} must be in [1, {vocab_size}] (the vocabulary)")
-    counts = np.bincount(np.asarray(tokens)[np.asarray(mask) > 0], minlength=vocab_size)
-    order = np.lexsort((np.arange(vocab_size), -counts[:vocab_size]))
-    eos = [int(e) for e in eos_ids if 0 <= e < vocab_size][:size]
-    rest = [int(i) for i in order if int(i) not in eos][: size - len(eos)]
-    return np.sort(np.asarray(eos + rest, np.int32))
-
-
-def load_draft_vocab(mtp_dir: Path, vocab_size: int | None = None) -> np.ndarray | None:
-    """The draft vocabulary an `mtp` stage saved next to its checkpoints (None: full vocab),
-    checked: distinct int token ids (below `vocab_size` when given)."""
-    path = Path(mtp_dir) / "draft_vocab.npy"
-    if not path.exists():
-        return None
-    ids = np.load(path, allow_pickle=False)
-    ok = ids.ndim == 1 and ids.size > 0 and np.issubdtype(ids.dtype, np.integer)
-    ok = ok and len(np.unique(ids)) == ids.size and int(ids.min()) >= 0
-    if not ok or (vocab_size is not None and int(ids.max()) >= vocab_size):
-        raise ValueError(
-            f"{path}: not a draft vocabulary (want distinct int token ids in [0, "
-            f"{vocab_size or 'V'}), got {ids.dtype} shape {ids.shape})"
-        )
-    return ids.astype(np.int32)
-
-
-def init_mtp(cfg: RunConfig, pol_cfg, mesh):
-    """(graphdef, params) of a fresh MTP (or of `mtp.init_from`), on the mesh."""
+def init_mtp(cfg: RunConfig, pol_cfg, mesh, pol_params=None):
+    """(graphdef, params) of a fresh MTP (`mtp.init`: random, or the backbone's last layer, which
+    needs `pol_params`), or of `mtp.init_from`, on the mesh."""
     graphdef, params = mtp_lib.init(pol_cfg, cfg.mtp.num_layers, cfg.seed + 100)
     if cfg.mtp.init_from:
         optimizer = make_optimizer(cfg.mtp.optim, cfg.mtp.steps)
         params = restore_params(Path(cfg.mtp.init_from), params, optimizer, mesh)
+    elif cfg.mtp.init == "last_layer":
+        params = mtp_lib.init_from_last_layer(params, jax.device_get(pol_params))
     return graphdef, sharding.place_state(params, mesh)
 
 
 def load_trained(cfg: RunConfig, workdir: Path, pol_cfg, mesh):
     """(graphdef, params) of the MTP trained by this run's `mtp` stage."""
-    graphdef, abstract = nnx.split(
-        nnx.eval_shape(lambda: mtp_lib.MTP(pol_cfg, cfg.mtp.num_layers, nnx.Rngs(params=0)))
-    )
-    optimizer = make_optimizer(cfg.mtp.optim, cfg.mtp.steps)
-    params = restore_params(Path(workdir) / "mtp" / "ckpt", abstract, optimizer, mesh)
+    graphdef, params, _ = policies.load_mtp(cfg, Path(workdir) / "mtp" / "ckpt", pol_cfg, mesh)
     return graphdef, params
+
+
+def patience_stop(patience: int, key: str = "rejection/accept_len"):
+    """`stop_fn` for `fit`: True once `patience` evaluations in a row bring no new best `key`."""
+    best, bad = -np.inf, 0
+
+    def stop(results: dict) -> bool:
+        nonlocal best, bad
+        value = float(results[key])
+        best, bad = (value, 0) if value > best else (best, bad + 1)
+        return patience > 0 and bad >= patience
+
+    return stop
 
 
 def run(cfg: RunConfig, workdir: Path, mesh, stop_at_step: int | None = None) -> dict:
@@ -146,7 +141,7 @@ def run(cfg: RunConfig, workdir: Path, mesh, stop_at_step: int | None = None) ->
     m = cfg.mtp
     pol_gd, pol_params, tok = policies.load(cfg, workdir, mesh)
     pol_cfg = model.graphdef_config(pol_gd, pol_params)
-    mtp_gd, mtp_params = init_mtp(cfg, pol_cfg, mesh)
+    mtp_gd, mtp_params = init_mtp(cfg, pol_cfg, mesh, pol_params)
     optimizer = make_optimizer(m.optim, m.steps)
     state = sharding.replicate_unplaced(
         TrainState.create(mtp_params, optimizer, cfg.seed + 101), mesh
@@ -158,8 +153,7 @@ def run(cfg: RunConfig, workdir: Path, mesh, stop_at_step: int | None = None) ->
             source.tokens, source.mask, m.draft_vocab, tok.eos_ids, pol_cfg.vocab_size
         )
         sdir.mkdir(parents=True, exist_ok=True)
-        np.save(sdir / "draft_vocab.tmp.npy", vocab, allow_pickle=False)
-        (sdir / "draft_vocab.tmp.npy").rename(sdir / "draft_vocab.npy")
+        io.save_array_atomic(sdir / "draft_vocab.npy", vocab)
     temp = cfg.rollout.temperature
     steps = {
         name: make_train_step(
@@ -173,22 +167,29 @@ def run(cfg: RunConfig, workdir: Path, mesh, stop_at_step: int | None = None) ->
         return steps[name](state, batch)
 
     it = iter(distill.dataset(Path(workdir) / "distill", m.batch_size, cfg.seed))
-    hiddens = None
-    if m.cache_hidden:
-        hiddens = policy_hiddens(pol_gd, pol_params, source.tokens, m.batch_size)
+    cached = {}
+    if m.cache_hidden:  # the frozen target's hiddens and log-normalisers, computed once
+        hid, lse = policy_hiddens(pol_gd, pol_params, source.tokens, m.batch_size, max(temp, 1e-3))
+        cached = {"hidden": hid, "target_lse": lse}
 
     def make_batch(b):
-        if hiddens is not None:
-            b = {**b, "hidden": hiddens[b["index"]]}
+        b = {**b, **{k: v[b["index"]] for k, v in cached.items()}}
         return {**sharding.shard_batch(b, mesh), "policy": pol_params}
 
     seq_len = source.tokens.shape[1]
-    eval_ids = prompts.prompt_ids(cfg, tok, m.eval_prompts, "eval", cfg.distill.prompts)
+    # Held-out prompts of the distillation's own kind (the RL task), and optionally mixed chat.
+    eval_sets = {"": prompts.prompt_ids(cfg, tok, m.eval_prompts, "eval", cfg.distill.prompts)}
+    if m.eval_mixed_prompts:
+        eval_sets["mixed/"] = prompts.prompt_ids(cfg, tok, m.eval_mixed_prompts, "eval", "mixed")
 
     def eval_fn(state):
-        return evaluate(
-            (pol_gd, pol_params), (mtp_gd, state.params), tok, cfg, eval_ids, m.eval_draft, vocab
-        )
+        res = {}
+        for prefix, ids in eval_sets.items():
+            out = evaluate(
+                (pol_gd, pol_params), (mtp_gd, state.params), tok, cfg, ids, m.eval_draft, vocab
+            )
+            res.update({prefix + k: v for k, v in out.items()})
+        return res
 
     before = eval_fn(state)
     res = fit(
@@ -196,18 +197,21 @@ def run(cfg: RunConfig, workdir: Path, mesh, stop_at_step: int | None = None) ->
         total_steps=m.steps, log_every=m.log_every, tokens_per_step=m.batch_size * seq_len,
         lr_at=schedule(m.optim, m.steps), eval_fn=eval_fn, eval_every=m.eval_every,
         stop_at_step=stop_at_step,
+        stop_fn=patience_stop(m.patience, "rejection/accept_len") if m.patience else None,
     )  # fmt: skip
     after = res.last_eval or eval_fn(res.state)
     summary = {
         "stage": "mtp",
         "loss": m.loss,
+        "init": m.init,
         "warmup": f"{m.warmup_loss} x {m.warmup_loss_steps} steps" if m.warmup_loss_steps else None,
         "steps": m.steps,
+        "steps_run": int(res.state.step),
         "draft_vocab": m.draft_vocab or None,
         "final_loss": res.last_metrics.get("loss"),
         "train_time_s": res.train_time_s,
         "before": before,
         "after": after,
     }
-    (sdir / "summary.json").write_text(json.dumps(summary, indent=2))
+    io.write_json_atomic(sdir / "summary.json", summary)
     return summary

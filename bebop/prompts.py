@@ -1,9 +1,10 @@
 """Prompt sets, generated in code (no downloads at run time).
 
-`task`: the demo task's problems (`bebop/rl/tasks.py`), one stream per use so that distillation,
-evaluation and RL never share prompts. `mixed`: real-text requests for a chat model such as
-SmolLM2, a third each of instructions, maths word problems and code requests, built from
-templates and word lists with a seeded generator.
+`task`: the run's task's prompts (`bebop/rl/rewards.py`: the demo's arithmetic, `wordmath`, ... or
+a GSM8K-style file), one stream per use so that distillation, evaluation and RL never share
+prompts. `mixed`: real-text requests for a chat model such as SmolLM2, a third each of
+instructions, maths word problems and code requests, built from templates and word lists with a
+seeded generator. `blend`: task prompts with a share of mixed ones.
 """
 
 from __future__ import annotations
@@ -52,13 +53,33 @@ def mixed_prompt(rng: np.random.Generator) -> str:
 
 
 def prompt_ids(cfg: RunConfig, tok, n: int, stream: str, kind: str = "task") -> list[list[int]]:
-    """`n` tokenized prompts of the given kind from one stream."""
+    """`n` tokenized prompts of the given kind from one stream: `task` (the run's task, via
+    `rewards.make_task`: arithmetic, wordmath, countdown or a GSM8K-style file) or `mixed`."""
     seed = cfg.seed + STREAMS[stream]
     if kind == "task":
-        probs = [tasks.problem_at(cfg.task, seed, i) for i in range(n)]
-        return [task_prompt_ids(tok, p) for p in probs]
+        from bebop.rl import rewards  # rewards builds its prompts with this module
+
+        task = rewards.make_task(cfg.task)
+        return [task.prompt_ids(tok, task.problem(seed, i)) for i in range(n)]
+    if kind != "mixed":
+        raise ValueError(f"unknown prompt kind {kind!r} (task | mixed)")
     rng = np.random.default_rng(seed)
     return [tok.chat([{"role": "user", "content": mixed_prompt(rng)}]) for _ in range(n)]
+
+
+def blend(cfg: RunConfig, tok, n: int, stream: str, kind: str, mixed_fraction: float):
+    """`n` prompts: `kind`'s, with a `mixed_fraction` share of mixed chat prompts interleaved at
+    seeded positions (the two kinds draw from the same stream offsets; `mixed` never repeats)."""
+    n_mixed = round(n * mixed_fraction) if kind == "task" else 0
+    main = prompt_ids(cfg, tok, n - n_mixed, stream, kind)
+    if not n_mixed:
+        return main
+    mixed = prompt_ids(cfg, tok, n_mixed, stream, "mixed")
+    order = np.random.default_rng(cfg.seed + STREAMS[stream] + 1).permutation(n)
+    is_mixed = np.zeros(n, bool)
+    is_mixed[order[:n_mixed]] = True
+    it_main, it_mixed = iter(main), iter(mixed)
+    return [next(it_mixed) if m else next(it_main) for m in is_mixed]
 
 
 def task_prompt_ids(tok, problem: tasks.Problem) -> list[int]:

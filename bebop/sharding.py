@@ -54,9 +54,14 @@ def mesh_shape(cfg: MeshConfig, num_devices: int) -> tuple[int, int, int]:
 
 
 def make_mesh(cfg: MeshConfig, devices=None) -> Mesh:
-    devices = jax.devices() if devices is None else devices
+    """`jax.make_mesh` orders the devices by the physical topology (TPU torus, GPU NVLink
+    islands) so that the inner axes (`tensor`) talk over the fastest links; a plain reshape of
+    `jax.devices()` does not. Auto axis types: classic GSPMD propagation (JAX 0.10's default for
+    `make_mesh` is explicit sharding, which would demand annotations everywhere)."""
+    devices = jax.devices() if devices is None else list(devices)
     shape = mesh_shape(cfg, len(devices))
-    return Mesh(np.asarray(devices).reshape(shape), MESH_AXES)
+    auto = (jax.sharding.AxisType.Auto,) * len(MESH_AXES)
+    return jax.make_mesh(shape, MESH_AXES, axis_types=auto, devices=devices)
 
 
 def spec_for(axes: tuple[str | None, ...], shape: tuple[int, ...], mesh: Mesh, rules=RULES):

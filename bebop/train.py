@@ -7,7 +7,10 @@ not a copy: frozen weights travel in the batch or a closure).
 
 Non-finite loss or gradient: the update is skipped (params and optimizer state unchanged), counted
 in `skips_total`, and `skips_in_row` grows; the driver stops the run after `max_nonfinite` in a row
-(`check_nonfinite`). A skipped state is always finite, so it is safe to checkpoint.
+(`check_nonfinite`). A finite loss does not mean a live model (a huge learning rate can leave
+parameters at 1e10 with a finite loss for a few steps before everything turns NaN), so the
+driver never checkpoints a skipped step and `DivergenceGuard` also stops on a loss spike or a
+parameter-norm blow-up (`max_loss_spike`, `max_param_growth`); each step reports `param_norm`.
 """
 
 from __future__ import annotations
@@ -16,6 +19,7 @@ from collections.abc import Callable
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 import optax
 from flax import struct
 
@@ -23,6 +27,10 @@ from bebop.config import OptimConfig
 
 
 class NonFiniteError(RuntimeError):
+    """Training stopped by a guard (non-finite updates or divergence)."""
+
+
+class DivergenceError(NonFiniteError):
     pass
 
 
@@ -87,7 +95,12 @@ def make_train_step(
             skips_in_row=jnp.where(ok, 0, state.skips_in_row + 1),
             skips_total=state.skips_total + (~ok).astype(jnp.int32),
         )
-        metrics = {"loss": loss, "grad_norm": grad_norm, "skipped": (~ok).astype(jnp.int32)}
+        metrics = {
+            "loss": loss,
+            "grad_norm": grad_norm,
+            "param_norm": optax.tree.norm(new_state.params),
+            "skipped": (~ok).astype(jnp.int32),
+        }
         return new_state, {**metrics, **aux}
 
     if not jit:  # to be composed inside another jitted function
@@ -95,13 +108,63 @@ def make_train_step(
     return jax.jit(train_step, donate_argnums=(0,) if donate else ())
 
 
-def check_nonfinite(state: TrainState, max_in_row: int) -> None:
+def check_nonfinite(state: TrainState, max_in_row: int, last_good: str = "") -> None:
+    """Raises after `max_in_row` consecutive skipped updates. `last_good` says where the last
+    checkpoint the guards trusted is (the caller knows; skipped steps are never saved)."""
     n = int(state.skips_in_row)
     if n >= max_in_row:
         raise NonFiniteError(
-            f"{n} consecutive non-finite updates (max_nonfinite={max_in_row}); stopping. "
-            f"The last checkpoint holds the last finite state."
+            f"{n} consecutive non-finite updates (max_nonfinite={max_in_row}) at step "
+            f"{int(state.step)}; stopping.{' ' + last_good if last_good else ''}"
         )
+
+
+class DivergenceGuard:
+    """Stops a run whose loss spikes or whose parameters blow up while still finite.
+
+    A step diverges when its loss > `max_loss_spike` x the median of the previous `window` finite
+    losses, or its global parameter norm > `max_param_growth` x the norm at the stage's first
+    step (`param_norm0`, kept in the checkpoint so a resume compares against the same baseline).
+    0 turns either test off. Skipped (non-finite) steps are left to `check_nonfinite`. The spike
+    test is for losses that stay positive (cross-entropy, TV), not for a policy-gradient loss.
+    """
+
+    def __init__(self, max_loss_spike: float, max_param_growth: float, window: int = 20):
+        self.max_loss_spike, self.max_param_growth = max_loss_spike, max_param_growth
+        self.window = window
+        self.losses: list[float] = []
+        self.param_norm0: float | None = None
+
+    def state_dict(self) -> dict:
+        return {"losses": self.losses[-self.window :], "param_norm0": self.param_norm0}
+
+    def load_state_dict(self, d: dict | None) -> None:
+        if d:
+            self.losses, self.param_norm0 = list(d["losses"]), d["param_norm0"]
+
+    def check(self, step: int, loss: float, param_norm: float, skipped: bool) -> str | None:
+        """None if the step looks healthy, else why it does not (and the guard is not updated)."""
+        if skipped:
+            return None
+        if self.param_norm0 is None:
+            self.param_norm0 = max(param_norm, 1e-12)
+        if self.max_param_growth and param_norm > self.max_param_growth * self.param_norm0:
+            return (
+                f"parameter norm {param_norm:.4g} at step {step} is more than "
+                f"max_param_growth={self.max_param_growth:g} x its value at the stage start "
+                f"({self.param_norm0:.4g})"
+            )
+        recent = self.losses[-self.window :]
+        if self.max_loss_spike and len(recent) >= min(5, self.window):
+            median = float(np.median(recent))
+            if loss > self.max_loss_spike * max(median, 1e-12):
+                return (
+                    f"loss {loss:.4g} at step {step} is more than max_loss_spike="
+                    f"{self.max_loss_spike:g} x the median of the previous {len(recent)} "
+                    f"losses ({median:.4g})"
+                )
+        self.losses = [*recent, loss][-self.window :]
+        return None
 
 
 def token_cross_entropy(logits_BxTxV, targets_BxT, mask_BxT):

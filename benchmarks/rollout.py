@@ -3,11 +3,15 @@
     python benchmarks/rollout.py --model demo --workdir runs/demo          # a finished demo run
     python benchmarks/rollout.py --model smollm2 [--mtp_ckpt runs/mtp_smollm2/mtp/ckpt]
 
+Prompts: `--num_prompts` (default 16) held-out prompts of the RL task (`wordmath` for SmolLM2,
+arithmetic for the demo; `--prompts mixed` for chat requests), padded to one width; a batch of B
+rows cycles through them (B=1: 16 runs of one prompt), so acceptance is averaged over the set.
 Grid: batch sizes x γ x temperatures x rules (flags). Per cell: tokens/s, speedup over the plain
-sampler, accept length (tokens per target forward), acceptance, and the efficiency = measured
-speedup / predicted speedup, where predicted = accept_len * t_step / (t_verify(γ+1) + γ * t_draft)
-from the measured cost of one plain decode step, one (γ+1)-token verify forward and one MTP draft
-step (catch-up + γ-1 chain steps = γ MTP calls per cycle). Last line: one JSON object.
+sampler, accept length (tokens per target forward), per-position acceptance, and the
+efficiency = measured speedup / predicted speedup, where
+predicted = accept_len * t_step / (t_verify(γ+1) + γ * t_draft) from the measured cost of one
+plain decode step, one (γ+1)-token verify forward and one MTP draft step (catch-up + γ-1 chain
+steps = γ MTP calls per cycle). Last line: one JSON object.
 """
 
 from __future__ import annotations
@@ -20,6 +24,7 @@ from pathlib import Path
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 from flax import nnx
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
@@ -27,8 +32,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from bebop import config as config_lib  # noqa: E402
 from bebop import model, prompts, sampling, sharding, speculative  # noqa: E402
 from bebop import mtp as mtp_lib  # noqa: E402
-from bebop.fit import restore_params  # noqa: E402
-from bebop.train import make_optimizer  # noqa: E402
+
+REPO = Path(__file__).resolve().parents[1]
 
 
 def best_time(fn, repeats):
@@ -67,6 +72,7 @@ def step_costs(pol, mtp, vocab, batch, context, gammas, repeats=5):
 
 
 def load_models(args, mesh):
+    """(policy, mtp, draft vocabulary, tokenizer, prompt ids, mtp source)."""
     if args.model == "demo":
         wd = Path(args.workdir)
         cfg = config_lib.from_dict(
@@ -77,24 +83,40 @@ def load_models(args, mesh):
         pol_gd, pol_params, tok = policies.load(cfg, wd, mesh)
         mtp = mtp_train.load_trained(cfg, wd, cfg.model, mesh)
         vocab = mtp_train.load_draft_vocab(wd / "mtp", cfg.model.vocab_size)
-        ids = prompts.prompt_ids(cfg, tok, max(args.batches), "bench", "task")
+        ids = prompts.prompt_ids(cfg, tok, args.num_prompts, "bench", args.prompts)
         return (pol_gd, pol_params), mtp, vocab, tok, ids, "trained (demo mtp stage)"
-    from bebop import mtp_train
-    from bebop.checkpoints import gguf
+    from bebop import policies
 
-    # unrolled decode: faster at batch 1, slower at batch 8 (benchmarks/decode.py)
-    loaded, tok = gguf.load(gguf.find_smollm2(), mesh, scan_layers=False)
-    pol_cfg = loaded.cfg
+    cfg, _ = config_lib.load(str(REPO / "configs" / "mtp_smollm2.py"))
+    pol_gd, pol_params, tok = policies.load(cfg, Path("."), mesh)
+    pol_cfg = model.graphdef_config(pol_gd, pol_params)
     mtp_gd, mtp_params = mtp_lib.init(pol_cfg, 1, seed=0)
     source, vocab = "random init", None
     if args.mtp_ckpt:  # DIR/mtp/ckpt; the draft vocabulary, if any, is DIR/mtp/draft_vocab.npy
-        opt = make_optimizer(config_lib.OptimConfig(), 1)
-        mtp_params = restore_params(Path(args.mtp_ckpt), mtp_params, opt, mesh)
-        vocab = mtp_train.load_draft_vocab(Path(args.mtp_ckpt).parent, pol_cfg.vocab_size)
+        mtp_gd, mtp_params, vocab = policies.load_mtp(cfg, Path(args.mtp_ckpt), pol_cfg, mesh)
         source = args.mtp_ckpt
-    cfg = config_lib.RunConfig()
-    ids = prompts.prompt_ids(cfg, tok, max(args.batches), "bench", "mixed")
-    return (loaded.graphdef, loaded.params), (mtp_gd, mtp_params), vocab, tok, ids, source
+    ids = prompts.prompt_ids(cfg, tok, args.num_prompts, "bench", args.prompts)
+    return (pol_gd, pol_params), (mtp_gd, mtp_params), vocab, tok, ids, source
+
+
+def batches(toks_NxP, lens_N, b):
+    """Batches of `b` rows cycling through the prompt set until every prompt ran once."""
+    n = toks_NxP.shape[0]
+    idx = np.arange(-(-n // b) * b) % n
+    return [(toks_NxP[idx[i : i + b]], lens_N[idx[i : i + b]]) for i in range(0, len(idx), b)]
+
+
+def timed_pass(fn, parts, repeats):
+    """Best-of-`repeats` wall time of running `fn` over every batch (compiled first), and the
+    outputs of the last pass."""
+    jax.block_until_ready(fn(*parts[0], 0))
+    best, outs = float("inf"), None
+    for _ in range(repeats):
+        t0, outs = time.perf_counter(), []
+        for i, (t, ln) in enumerate(parts):
+            outs.append(jax.block_until_ready(fn(t, ln, i)))
+        best = min(best, time.perf_counter() - t0)
+    return best, outs
 
 
 def main():
@@ -107,7 +129,9 @@ def main():
     ap.add_argument("--temps", default="0.7,1.0")
     ap.add_argument("--rules", default="target_only,rejection")
     ap.add_argument("--new_tokens", type=int, default=48)
-    ap.add_argument("--repeats", type=int, default=2)
+    ap.add_argument("--repeats", type=int, default=1)
+    ap.add_argument("--num_prompts", type=int, default=16)
+    ap.add_argument("--prompts", choices=["task", "mixed"], default="task")
     args = ap.parse_args()
     args.batches = [int(x) for x in args.batches.split(",")]
     gammas = [int(x) for x in args.gammas.split(",")]
@@ -117,37 +141,35 @@ def main():
     mesh = sharding.make_mesh(config_lib.MeshConfig(data=1), jax.devices()[:1])
     pol, mtp, vocab, tok, ids, mtp_source = load_models(args, mesh)
     vocab = None if vocab is None else jnp.asarray(vocab)
+    all_toks, all_lens = sampling.pad_prompts(ids, tok.pad_id)  # one width: one compilation
     rows = []
     for b in args.batches:
-        toks, lens = sampling.pad_prompts(ids[:b], tok.pad_id)
-        costs = step_costs(pol, mtp, vocab, b, int(toks.shape[1]) + args.new_tokens // 2, gammas)
+        parts = batches(all_toks, all_lens, b)
+        costs = step_costs(
+            pol, mtp, vocab, b, int(all_toks.shape[1]) + args.new_tokens // 2, gammas
+        )
         for temp in temps:
             scfg = sampling.SamplingConfig(
                 temperature=temp, max_new_tokens=args.new_tokens, eos_ids=tuple(tok.eos_ids),
                 pad_id=tok.pad_id,
             )  # fmt: skip
-            key = jax.random.key(0)
-            plain_out = {}
+            keys = jax.random.split(jax.random.key(0), len(parts))
 
-            def plain(scfg=scfg, key=key, toks=toks, lens=lens, box=plain_out):
-                box["o"] = sampling.sample_jit(*pol, toks, lens, key, scfg)
-                return box["o"]
+            def plain(t, ln, i, scfg=scfg, keys=keys):
+                return sampling.sample_jit(*pol, t, ln, keys[i], scfg)
 
-            t_plain = best_time(plain, args.repeats)
-            plain_tps = int(plain_out["o"].lengths.sum()) / t_plain
+            t_plain, outs = timed_pass(plain, parts, args.repeats)
+            plain_tps = sum(int(o.lengths.sum()) for o in outs) / t_plain
             for g in gammas:
                 for rule in rules:
                     spec = speculative.SpecConfig(g, rule)
-                    box = {}
 
-                    def run(spec=spec, scfg=scfg, key=key, toks=toks, lens=lens, box=box):
-                        box["o"] = speculative.sample_jit(
-                            *pol, *mtp, toks, lens, key, scfg, spec, vocab
-                        )
-                        return box["o"]
+                    def run(t, ln, i, spec=spec, scfg=scfg, keys=keys):
+                        return speculative.sample_jit(*pol, *mtp, t, ln, keys[i], scfg, spec, vocab)
 
-                    t = best_time(run, args.repeats)
-                    summ = speculative.summarize(box["o"])
+                    t, outs = timed_pass(run, parts, args.repeats)
+                    pooled = jax.tree.map(lambda *x: np.concatenate(x), *jax.device_get(outs))
+                    summ = speculative.summarize(pooled)  # all rows of all batches
                     tps = summ["tokens"] / t
                     predicted = (
                         summ["accept_len"]
@@ -158,21 +180,24 @@ def main():
                         "batch": b, "temperature": temp, "gamma": g, "rule": rule,
                         "plain_tok_s": plain_tps, "spec_tok_s": tps, "speedup": tps / plain_tps,
                         "accept_len": summ["accept_len"], "accept_rate": summ["accept_rate"],
+                        **{f"accept_rate_{k}": summ[f"accept_rate_{k}"] for k in range(1, g + 1)},
                         "predicted_speedup": predicted, "efficiency": (tps / plain_tps) / predicted,
                         "verify_cost": costs[f"verify_{g}"] / costs["step"],
                         "draft_cost": costs["draft"] / costs["step"],
                     }  # fmt: skip
                     rows.append(row)
+                    per_pos = " / ".join(f"{row[f'accept_rate_{k}']:.2f}" for k in range(1, g + 1))
                     print(
                         f"B={b:3d} T={temp:.1f} γ={g} {rule:11s} plain {plain_tps:8.1f} tok/s  "
                         f"spec {tps:8.1f} tok/s  speedup {row['speedup']:.2f}x  "
-                        f"accept_len {summ['accept_len']:.2f}  predicted {predicted:.2f}x  "
-                        f"eff {row['efficiency']:.2f}  verify {row['verify_cost']:.2f}x  "
-                        f"draft {row['draft_cost']:.2f}x",
+                        f"accept_len {summ['accept_len']:.2f} ({per_pos})  "
+                        f"predicted {predicted:.2f}x  eff {row['efficiency']:.2f}  "
+                        f"verify {row['verify_cost']:.2f}x  draft {row['draft_cost']:.2f}x",
                         flush=True,
                     )
     best = max(rows, key=lambda r: r["speedup"])
     print(json.dumps({"model": args.model, "mtp": mtp_source, "new_tokens": args.new_tokens,
+                      "prompts": f"{args.num_prompts} {args.prompts}",
                       "draft_vocab": None if vocab is None else int(vocab.shape[0]),
                       "best": best, "rows": rows}))  # fmt: skip
 

@@ -20,7 +20,11 @@ def get_config(arg=None):
     c.seed = 0
     c.stages = ("sft", "distill", "mtp", "rl")
     c.max_nonfinite = 5
+    c.max_loss_spike = 0.0  # divergence guard (0 = off)
+    c.max_param_growth = 100.0
     c.tensorboard = False
+    c.profile_steps = 0
+    c.compile_cache = True
 
     c.model = dict(
         vocab_size=CharTokenizer().vocab_size,
@@ -53,7 +57,9 @@ def get_config(arg=None):
     c.rollout = dict(
         temperature=1.0, top_p=1.0, top_k=0, max_new_tokens=48, mode="rejection", num_draft=2
     )
-    c.distill = dict(num_samples=1024, batch_size=256, prompts="task")
+    c.distill = dict(
+        num_samples=1024, batch_size=256, prompts="task", mixed_fraction=0.0, draft_from=""
+    )
     c.mtp = dict(
         num_layers=1,
         train_steps=5,
@@ -68,6 +74,11 @@ def get_config(arg=None):
         eval_prompts=64,
         eval_draft=3,
         init_from="",
+        init="random",
+        patience=0,
+        eval_mixed_prompts=0,
+        draft_vocab=0,
+        cache_hidden=False,
         optim=optim(2e-3, warmup=20),
     )
     c.rl = dict(
@@ -85,8 +96,11 @@ def get_config(arg=None):
         mtp_every=1,
         reward_timeout_s=30.0,
         reward_retries=1,
+        reward_timeout_action="error",
         log_every=1,
         eval_samples=512,
+        eval_every=0,
+        draft_log_rows=4,
         speedup_repeats=2,
         optim=optim(3e-5, schedule="constant", min_ratio=1.0, b2=0.99),
         mtp_optim=optim(3e-4, warmup=10),  # GrowMTP's recipe

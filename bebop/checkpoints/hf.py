@@ -23,6 +23,7 @@ from bebop import model, sharding
 from bebop import mtp as mtp_lib
 from bebop.checkpoints import names
 from bebop.config import ModelConfig
+from bebop.io import DamagedFileError, read_json
 
 ARCHITECTURES = {
     "qwen3": "Qwen3ForCausalLM",
@@ -61,6 +62,13 @@ def config_from_hf(hf: dict, source: str = "config.json", dtype="float32", scan_
     theta = hf.get("rope_theta", rope.get("rope_theta"))
     if theta is None:
         raise CheckpointError(f"{source}: neither rope_theta nor rope_parameters.rope_theta")
+    required = ("vocab_size", "hidden_size", "num_hidden_layers", "num_attention_heads")
+    missing = [k for k in (*required, "intermediate_size") if k not in hf]
+    if missing:
+        raise CheckpointError(f"{source}: missing required key(s) {missing}")
+    for k in (*required, "intermediate_size"):
+        if not isinstance(hf[k], int) or isinstance(hf[k], bool) or hf[k] <= 0:
+            raise CheckpointError(f"{source}: {k} must be a positive integer, got {hf[k]!r}")
     heads = hf["num_attention_heads"]
     return ModelConfig(
         vocab_size=hf["vocab_size"],
@@ -287,7 +295,13 @@ def load(directory, mesh, dtype="float32", scan_layers=True) -> Loaded:
     cfg_path = directory / "config.json"
     if not cfg_path.exists():
         raise CheckpointError(f"{directory}: missing config.json")
-    cfg = config_from_hf(json.loads(cfg_path.read_text()), str(cfg_path), dtype, scan_layers)
+    try:
+        hf_cfg = read_json(cfg_path)
+    except DamagedFileError as e:
+        raise CheckpointError(str(e)) from e
+    if not isinstance(hf_cfg, dict):
+        raise CheckpointError(f"{cfg_path}: expected a JSON object, got {type(hf_cfg).__name__}")
+    cfg = config_from_hf(hf_cfg, str(cfg_path), dtype, scan_layers)
     return load_source(SafetensorsSource(directory), cfg, mesh)
 
 

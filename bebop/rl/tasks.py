@@ -184,21 +184,39 @@ class WordProblem:
 
 
 def load_gsm8k_jsonl(path) -> list[WordProblem]:
-    """GSM8K-style JSONL: {"question": ..., "answer": "... #### 42"} (or a bare number)."""
+    """GSM8K-style JSONL: {"question": ..., "answer": "... #### 42"} (or a bare number).
+
+    UTF-8, a leading byte-order mark allowed. Records are split on newlines only (JSON strings
+    may hold other Unicode line breaks), so a bad record's reported line number is the line an
+    editor shows. Every problem raises `DamagedFileError` naming the file and line."""
     import json
     from pathlib import Path
 
+    from bebop.io import DamagedFileError
+
+    raw = Path(path).read_bytes()
     out = []
-    for i, line in enumerate(Path(path).read_text().splitlines()):
+    for i, line_bytes in enumerate(raw.split(b"\n")):
+        where = f"{path}:{i + 1}"
+        try:
+            line = line_bytes.decode("utf-8-sig" if i == 0 else "utf-8")
+        except UnicodeDecodeError as e:
+            bad = line_bytes[e.start : e.start + 4]
+            raise DamagedFileError(f"{where}: not UTF-8 (byte {e.start + 1}: {bad!r})") from e
         if not line.strip():
             continue
-        rec = json.loads(line)
-        if "question" not in rec or "answer" not in rec:
-            raise ValueError(f"{path}:{i + 1}: needs 'question' and 'answer' fields")
+        try:
+            rec = json.loads(line)
+        except json.JSONDecodeError as e:
+            raise DamagedFileError(f"{where}: invalid JSON at column {e.colno}: {e.msg}") from e
+        if not isinstance(rec, dict) or "question" not in rec or "answer" not in rec:
+            raise DamagedFileError(f"{where}: needs 'question' and 'answer' fields")
         ans = extract_number(str(rec["answer"]).rpartition("####")[2])
         if ans is None:
-            raise ValueError(f"{path}:{i + 1}: no numeric final answer in {rec['answer']!r}")
-        out.append(WordProblem(rec["question"], ans))
+            raise DamagedFileError(f"{where}: no numeric final answer in {rec['answer']!r}")
+        out.append(WordProblem(str(rec["question"]), ans))
+    if not out:
+        raise DamagedFileError(f"{path}: no problems (empty file)")
     return out
 
 

@@ -1,0 +1,85 @@
+"""Statistics shared by the studies: a linear fit with bootstrap intervals, Spearman's rank
+correlation and binned means. numpy only; every function takes plain 1-D arrays."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import numpy as np
+
+
+@dataclasses.dataclass(frozen=True)
+class LinearFit:
+    slope: float
+    intercept: float
+    r: float  # Pearson correlation
+    slope_ci: tuple[float, float]  # bootstrap percentile interval
+    intercept_ci: tuple[float, float]
+    n: int
+
+    def label(self, unit: str = "") -> str:
+        lo, hi = self.slope_ci
+        return (
+            f"slope {self.slope:+.3f} [{lo:+.3f}, {hi:+.3f}]{unit}, r = {self.r:+.2f}, n = {self.n}"
+        )
+
+
+def _ols(x, y):
+    xm, ym = x.mean(), y.mean()
+    sxx = ((x - xm) ** 2).sum()
+    slope = ((x - xm) * (y - ym)).sum() / sxx if sxx > 0 else 0.0
+    return slope, ym - slope * xm
+
+
+def linear_fit(x, y, n_boot: int = 1000, level: float = 0.95, seed: int = 0) -> LinearFit:
+    """Least-squares line y = slope * x + intercept, with `level` bootstrap percentile
+    intervals from `n_boot` resamples of the (x, y) pairs."""
+    x, y = np.asarray(x, np.float64).ravel(), np.asarray(y, np.float64).ravel()
+    if x.shape != y.shape or x.size < 3:
+        raise ValueError(f"linear_fit needs >= 3 paired values, got x {x.shape}, y {y.shape}")
+    slope, intercept = _ols(x, y)
+    sx, sy = x.std(), y.std()
+    r = float(((x - x.mean()) * (y - y.mean())).mean() / (sx * sy)) if sx > 0 and sy > 0 else 0.0
+    rng = np.random.default_rng(seed)
+    idx = rng.integers(0, x.size, (n_boot, x.size))
+    boots = np.array([_ols(x[i], y[i]) for i in idx])
+    q = [(1 - level) / 2 * 100, (1 + level) / 2 * 100]
+    s_lo, s_hi = np.percentile(boots[:, 0], q)
+    i_lo, i_hi = np.percentile(boots[:, 1], q)
+    return LinearFit(
+        float(slope), float(intercept), r, (float(s_lo), float(s_hi)),
+        (float(i_lo), float(i_hi)), int(x.size),
+    )  # fmt: skip
+
+
+def _ranks(a):
+    """Average ranks (ties share the mean of their positions), 1-based."""
+    order = np.argsort(a, kind="stable")
+    ranks = np.empty(a.size, np.float64)
+    ranks[order] = np.arange(1, a.size + 1)
+    _, inv, counts = np.unique(a, return_inverse=True, return_counts=True)
+    sums = np.bincount(inv, weights=ranks)
+    return sums[inv] / counts[inv]
+
+
+def spearman(x, y) -> float:
+    """Spearman's ρ: the Pearson correlation of the (tie-averaged) ranks."""
+    rx, ry = _ranks(np.asarray(x).ravel()), _ranks(np.asarray(y).ravel())
+    rx, ry = rx - rx.mean(), ry - ry.mean()
+    den = np.sqrt((rx**2).sum() * (ry**2).sum())
+    return float((rx * ry).sum() / den) if den > 0 else 0.0
+
+
+def binned(x, y, bins: int = 10, min_count: int = 1):
+    """Means of y in `bins` equal-count bins of x: (x centres, y means, counts), bins with fewer
+    than `min_count` values dropped."""
+    x, y = np.asarray(x, np.float64).ravel(), np.asarray(y, np.float64).ravel()
+    order = np.argsort(x, kind="stable")
+    parts = np.array_split(order, min(bins, max(x.size, 1)))
+    xs, ys, ns = [], [], []
+    for p in parts:
+        if p.size >= min_count and p.size:
+            xs.append(x[p].mean())
+            ys.append(y[p].mean())
+            ns.append(p.size)
+    return np.array(xs), np.array(ys), np.array(ns, np.int64)

@@ -1,0 +1,88 @@
+"""Study helpers: the fit recovers a known slope inside its interval, Spearman matches its
+definition, and every plot function draws what it was given into a PNG of the asked size."""
+
+import numpy as np
+import pytest
+
+from bebop import analysis, plots
+
+
+def test_linear_fit_recovers_a_known_slope_within_its_interval():
+    """y = -0.8 x + 0.9 + N(0, 0.1^2), n = 400: the 95 % bootstrap interval contains -0.8 and is
+    narrower than 0.1; r is strongly negative. A flat line's interval contains 0."""
+    rng = np.random.default_rng(0)
+    x = rng.uniform(0, 1, 400)
+    fit = analysis.linear_fit(x, -0.8 * x + 0.9 + rng.normal(0, 0.1, 400), n_boot=500)
+    assert fit.slope_ci[0] < -0.8 < fit.slope_ci[1]
+    assert fit.slope_ci[1] - fit.slope_ci[0] < 0.1
+    assert fit.intercept_ci[0] < 0.9 < fit.intercept_ci[1] and fit.r < -0.9
+    flat = analysis.linear_fit(x, rng.normal(0, 0.1, 400), n_boot=500)
+    assert flat.slope_ci[0] < 0 < flat.slope_ci[1]
+    with pytest.raises(ValueError, match="linear_fit needs"):
+        analysis.linear_fit([1, 2], [1, 2])
+
+
+def test_spearman_is_the_rank_correlation_with_ties_averaged():
+    x = np.array([1.0, 2.0, 3.0, 4.0, 5.0])
+    assert analysis.spearman(x, x**3) == pytest.approx(1.0)  # monotone, not linear
+    assert analysis.spearman(x, -x) == pytest.approx(-1.0)
+    # ties: ranks of y = [1.5, 1.5, 3, 4, 5]; Pearson of ranks by hand = 0.9746794
+    assert analysis.spearman(x, [2, 2, 3, 4, 5]) == pytest.approx(0.9746794, abs=1e-6)
+
+
+def test_binned_means_are_equal_count_bins():
+    x = np.arange(100.0)
+    bx, by, n = analysis.binned(x, 2 * x, bins=4)
+    np.testing.assert_array_equal(n, [25, 25, 25, 25])
+    np.testing.assert_allclose(bx, [12, 37, 62, 87])
+    np.testing.assert_allclose(by, 2 * bx)
+
+
+def _png_size(path):
+    with open(path, "rb") as f:
+        head = f.read(24)
+    assert head[:8] == b"\x89PNG\r\n\x1a\n"
+    return int.from_bytes(head[16:20], "big"), int.from_bytes(head[20:24], "big")
+
+
+def test_plots_draw_every_series_into_a_png(tmp_path):
+    steps = np.arange(10.0)
+    fig = plots.lines(tmp_path / "l.png", {"a": (steps, steps**0.5), "b": (steps, steps / 3)},
+                      "RL step", "accept length (tokens / verify)", "demo, γ = 2")  # fmt: skip
+    ax = fig.axes[0]
+    assert [len(line.get_xdata()) for line in ax.get_lines()] == [10, 10]
+    assert ax.get_xlabel() == "RL step" and "γ = 2" in ax.get_title()
+    assert _png_size(tmp_path / "l.png") == (600, 400)
+
+    rng = np.random.default_rng(1)
+    ent = rng.uniform(0, 3, 500)
+    acc = (rng.uniform(size=500) < 0.9 - 0.2 * ent).astype(float)
+    fig, fits = plots.binned_fit(tmp_path / "b.png", {"RS": (ent, acc)}, "policy entropy (nats)",
+                                 "P(accept)", "binned", bins=8)  # fmt: skip
+    ax = fig.axes[0]
+    markers, fit_line = ax.get_lines()
+    assert len(markers.get_xdata()) == 8 and len(fit_line.get_xdata()) == 50
+    assert "slope" in ax.get_legend().get_texts()[0].get_text()
+    assert fits["RS"].slope_ci[0] < -0.2 < fits["RS"].slope_ci[1]
+
+    fig = plots.scatter(tmp_path / "s.png", {"runs": (ent[:6], acc[:6] + ent[:6])}, "x", "y", "t")
+    assert len(fig.axes[0].get_lines()) == 2  # fit line + points
+    fig = plots.twin_x(tmp_path / "t.png", {"spec": (steps, steps * 3.5, steps)},
+                       ("RL step", "wall clock (s)"), "reward", "demo")  # fmt: skip
+    assert [len(a.get_lines()) for a in fig.axes] == [1, 1]
+    assert _png_size(tmp_path / "t.png") == (1000, 400)
+    with pytest.raises(ValueError, match="plot series 'empty'"):
+        plots.lines(tmp_path / "e.png", {"empty": ([], [])}, "x", "y", "t")
+
+
+def test_series_reads_metrics_records_with_the_key(tmp_path):
+    path = tmp_path / "metrics.jsonl"
+    path.write_text(
+        '{"step": 1, "loss": 2.0}\n{"step": 2, "eval/a": 1.5}\n{"step": 3, "loss": 1.0}\n'
+    )
+    x, y = plots.series(plots.read_metrics(path), "loss")
+    np.testing.assert_array_equal(x, [1, 3])
+    np.testing.assert_array_equal(y, [2.0, 1.0])
+    path.write_text('{"step": 1}\n{"ste')
+    with pytest.raises(ValueError, match="metrics.jsonl:2"):
+        plots.read_metrics(path)
