@@ -62,9 +62,9 @@ class ModelConfig:
     qk_norm: bool = False  # Qwen3
     tie_embeddings: bool = True
     dtype: str = "float32"  # activations and parameters; logits and softmax are always float32
-    # lax.scan over the stacked layers (compiles fastest; no weight copies). False: layers
-    # unrolled; decode loops slice each layer's weights once before the loop (`decode_layers`,
-    # one extra copy of the weights; on CPU faster at batch 1, slower at 8: benchmarks/decode.py).
+    # Full-sequence forwards (training): lax.scan over the stacked layers (compiles fastest) or
+    # unrolled. Cached forwards (prefill, decode loops) always unroll over per-layer weights and
+    # caches (`model.decode_layers`; a scanned decode step copied every weight: bebop/model.py).
     scan_layers: bool = True
     init_std: float = 0.02
 

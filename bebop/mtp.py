@@ -1,4 +1,4 @@
-"""MTP draft layer(s), DeepSeek-V3 / Qwen3.5 style (METHOD §1), applied recursively for Y steps.
+"""MTP draft layer(s), DeepSeek-V3 / Qwen3.5 style, applied recursively (docs/method.md §1).
 
 One MTP layer:
     e = RMSNorm_e(embed(token))          # embedding of the next token (shared, frozen embedding)

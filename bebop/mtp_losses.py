@@ -1,4 +1,4 @@
-"""MTP draft losses (METHOD §4), vocabulary-chunked, float32. Picked by name from `MTP_LOSSES`.
+"""MTP draft losses (docs/method.md §4), vocabulary-chunked, float32, by name from `MTP_LOSSES`.
 
 Every loss takes the draft's normed hiddens for Y steps, `draft_YxBxTxD` (from `mtp.train_hidden`;
 step k at anchor t predicts token t+k+1), the frozen policy's normed final hiddens

@@ -8,14 +8,13 @@ accuracy on held-out prompts -> `summary.json` (whose presence makes a re-run sk
 
 from __future__ import annotations
 
-import json
 from pathlib import Path
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 
-from bebop import data, model, sampling, sharding
+from bebop import data, io, model, sampling, sharding
 from bebop.config import ConfigError, RunConfig
 from bebop.fit import Interrupted, fit, restore_params  # noqa: F401 - Interrupted: API
 from bebop.rl import tasks
@@ -85,7 +84,7 @@ def run(cfg: RunConfig, workdir: Path, mesh, stop_at_step: int | None = None) ->
         "train_time_s": res.train_time_s,
         **evaluate(graphdef, state.params, cfg, tok),
     }
-    (sdir / "summary.json").write_text(json.dumps(summary, indent=2))
+    io.write_json_atomic(sdir / "summary.json", summary)
     return summary
 
 

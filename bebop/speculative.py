@@ -19,8 +19,9 @@ only in how a draft token is taken from q and which q the acceptance test uses:
                    from p without d, renormalised. Per-step acceptance p(argmax q).
 p and q are the processed distributions (temperature / top-k / top-p applied to both).
 
-Statistics per row: attempts and acceptances per draft position, a histogram of tokens emitted
-per verify (1 .. Y+1), verify calls; per emitted token its `status` (ACCEPTED draft, REJECTED =
+Statistics per row, from what was emitted (drafts cut off by EOS or the token budget do not
+count): attempts and acceptances per draft position, a histogram of tokens emitted per verify
+(1 .. Y+1), verify calls; per emitted token its `status` (ACCEPTED draft, REJECTED =
 the residual token that replaced a rejected draft, UNDRAFTED = bonus or first token) and, at
 drafted positions, the analytic acceptance Σ_v min(p, q_rule) (`overlap`).
 """
@@ -31,6 +32,7 @@ import dataclasses
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 from flax import nnx, struct
 
 from bebop import model
@@ -74,7 +76,7 @@ DRAFT_RULES = {"rejection": _draft_rejection, "target_only": _draft_target_only}
 class SpecStats:
     attempts: jax.Array  # [B, Y] drafts evaluated at each position
     accepts: jax.Array  # [B, Y]
-    accept_hist: jax.Array  # [B, Y+1] verifies that emitted 1 .. Y+1 tokens
+    accept_hist: jax.Array  # [B, Y+1] verifies that emitted 1 .. Y+1 tokens (after cuts)
     verify_calls: jax.Array  # [B]
     status: jax.Array  # [B, N] int32 per emitted token (ACCEPTED / REJECTED / UNDRAFTED)
     overlap: jax.Array  # [B, N] Σ min(p, q) at drafted positions, 0 elsewhere
@@ -135,17 +137,38 @@ def _emit_limits(tokens_BxW, n_emit_B, out_len_B, done_B, scfg: SamplingConfig, 
     return n_emit_B, finished_B
 
 
+def _cycle_counts(st: SpecStats, n_acc_B, n_emit_B, live_B) -> dict:
+    """One verify's contribution to the counters, from what it emitted: drafts cut off by EOS or
+    the token budget are neither attempts nor acceptances (they are not part of the output), and
+    the histogram counts emitted tokens, so Σ_k k·hist_k = tokens after the first."""
+    y = st.attempts.shape[1]
+    live_i = live_B.astype(jnp.int32)[:, None]
+    pos_Y = jnp.arange(y)[None]
+    emitted_BxY = pos_Y < n_emit_B[:, None]
+    hist_BxW = jnp.arange(y + 1)[None] == n_emit_B[:, None] - 1
+    return {
+        "attempts": st.attempts + live_i * (emitted_BxY & (pos_Y <= n_acc_B[:, None])),
+        "accepts": st.accepts + live_i * (emitted_BxY & (pos_Y < n_acc_B[:, None])),
+        "accept_hist": st.accept_hist + live_i * hist_BxW,
+        "verify_calls": st.verify_calls + live_i[:, 0],
+    }
+
+
 def sample(
     pol_gd, pol_params, mtp_gd, mtp_params, prompt_BxP, prompt_lens_B, rng, scfg, spec,
-    draft_vocab=None,
+    draft_vocab=None, layers=None,
 ):  # fmt: skip
     """Speculative sampling; same outputs as `sampling.sample` plus `SpecStats`.
     Jit with `pol_gd`, `mtp_gd`, `scfg`, `spec` static.
 
     `draft_vocab` (int32 `[K]`, distinct token ids) restricts the MTP's head to K tokens: q is a
     distribution over them, placed into the full vocabulary (0 elsewhere) before the acceptance
-    test and the residual, which stay exact -- the output distribution is unchanged."""
+    test and the residual, which stay exact -- the output distribution is unchanged.
+    `layers`: the policy's `model.decode_layers`, made once per parameter version by a caller
+    that samples repeatedly (made here otherwise: a copy of every weight per call)."""
     policy = nnx.merge(pol_gd, pol_params)
+    if layers is None:
+        layers = model.decode_layers(pol_gd, pol_params)
     mtp = nnx.merge(mtp_gd, mtp_params)
     rule = DRAFT_RULES[spec.rule]
     head_DxK = None if draft_vocab is None else mtp_lib.draft_head(policy, draft_vocab)
@@ -165,7 +188,7 @@ def sample(
 
     # Prefill the policy; the first token comes from the last prompt position.
     last_BxV, hid_BxPxD, tcache = model.prefill_last(
-        pol_gd, pol_params, prompt_BxP, prompt_lens_B, max_len
+        pol_gd, pol_params, prompt_BxP, prompt_lens_B, max_len, layers
     )
     rng, key = jax.random.split(rng)
     first_B = draw(key, process_logits(last_BxV, scfg), scfg)
@@ -203,7 +226,6 @@ def sample(
         overlap=zeros_f,
     )
     done_B = is_eos(first_B, scfg.eos_ids) | (n <= 1)
-    layers = model.decode_layers(pol_gd, pol_params)
     hid_buf = cyc_buf = None
     if spec.record:
         hid_buf = jnp.zeros((b, max_len, policy.cfg.dim), hid_BxPxD.dtype).at[:, :p].set(hid_BxPxD)
@@ -296,13 +318,8 @@ def sample(
             entropy=_write_rows(o.entropy, entropy(slogp_BxWxV), off),
             lengths=off + n_emit_B,
         )
-        live_i = live_B.astype(jnp.int32)[:, None]
-        pos_Y = jnp.arange(y)[None]
         st = st.replace(
-            attempts=st.attempts + live_i * (n_acc_B[:, None] >= pos_Y),
-            accepts=st.accepts + live_i * (n_acc_B[:, None] > pos_Y),
-            accept_hist=st.accept_hist + live_i * (jnp.arange(w)[None] == n_acc_B[:, None]),
-            verify_calls=st.verify_calls + live_i[:, 0],
+            **_cycle_counts(st, n_acc_B, n_emit_B, live_B),
             status=_write_rows(st.status, status_BxW, off),
             overlap=_write_rows(st.overlap, overlap_BxW, off),
         )
@@ -344,22 +361,41 @@ def sample(
 sample_jit = jax.jit(sample, static_argnames=("pol_gd", "mtp_gd", "scfg", "spec"))
 
 
+def draft_positions(status_BxN) -> np.ndarray:
+    """Host-side: the draft position (0-based, within its verify cycle) of each emitted drafted
+    token, -1 elsewhere. A cycle's tokens are its accepted drafts, then one that is not."""
+    status_BxN = np.asarray(status_BxN)
+    n = status_BxN.shape[1]
+    idx_N = np.arange(n)
+    last = np.maximum.accumulate(np.where(status_BxN != ACCEPTED, idx_N, -1), axis=1)
+    prev = np.concatenate([np.full_like(last[:, :1], -1), last[:, :-1]], axis=1)
+    drafted = (status_BxN == ACCEPTED) | (status_BxN == REJECTED)
+    return np.where(drafted, idx_N - 1 - prev, -1)
+
+
 def summarize(out: SpecOutput) -> dict:
-    """Host-side acceptance figures of one speculative rollout (all rows pooled)."""
+    """Host-side acceptance figures of one speculative rollout (all rows pooled): per draft
+    position k the empirical acceptance rate `accept_rate_k` and the mean analytic acceptance
+    Σ min(p, q) `analytic_alpha_k`; tokens per verify, `accept_len`, and their histogram
+    `accept_hist_m` (share of verifies that emitted m tokens)."""
     st = jax.device_get(out.stats)
-    lengths = jax.device_get(out.sample.lengths)
-    ent = jax.device_get(out.sample.entropy)
-    emitted = jnp.arange(ent.shape[1])[None] < lengths[:, None]
-    drafted = (st.status == ACCEPTED) | (st.status == REJECTED)
-    hist = st.accept_hist.sum(0)
-    attempts, accepts = st.attempts.sum(0), st.accepts.sum(0)
-    res = {
-        f"accept_rate_{k + 1}": float(accepts[k] / max(attempts[k], 1))
-        for k in range(len(attempts))
-    }
+    lengths = np.asarray(jax.device_get(out.sample.lengths))
+    ent = np.asarray(jax.device_get(out.sample.entropy))
+    emitted = np.arange(ent.shape[1])[None] < lengths[:, None]
+    kpos = draft_positions(st.status)
+    drafted = kpos >= 0
+    overlap = np.asarray(st.overlap)
+    hist = np.asarray(st.accept_hist).sum(0)
+    attempts, accepts = np.asarray(st.attempts).sum(0), np.asarray(st.accepts).sum(0)
+    res = {}
+    for k in range(len(attempts)):
+        res[f"accept_rate_{k + 1}"] = float(accepts[k] / max(attempts[k], 1))
+        res[f"analytic_alpha_{k + 1}"] = float(overlap[kpos == k].sum() / max((kpos == k).sum(), 1))
     res["accept_rate"] = float(accepts.sum() / max(attempts.sum(), 1))
-    res["accept_len"] = float((hist * jnp.arange(1, len(hist) + 1)).sum() / max(hist.sum(), 1))
-    res["analytic_alpha"] = float((st.overlap * drafted).sum() / max(drafted.sum(), 1))
+    res["accept_len"] = float((hist * np.arange(1, len(hist) + 1)).sum() / max(hist.sum(), 1))
+    for m in range(len(hist)):
+        res[f"accept_hist_{m + 1}"] = float(hist[m] / max(hist.sum(), 1))
+    res["analytic_alpha"] = float((overlap * drafted).sum() / max(drafted.sum(), 1))
     res["mean_entropy"] = float((ent * emitted).sum() / max(emitted.sum(), 1))
     res["tokens"] = int(lengths.sum())
     return res

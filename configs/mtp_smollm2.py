@@ -23,10 +23,10 @@ def get_config(arg=None):
     a = parse_arg(arg, runlocal=False, loss="e2e_tv", init="last_layer")
     c = base(model={}, policy=dict(source="gguf", path=""), stages=("distill", "mtp"))
     c.distill.update(num_samples=1536, batch_size=64, prompts="task", mixed_fraction=0.25)
-    c.mtp.update(loss=a.loss, init=a.init, draft_vocab=8192, cache_hidden=True, steps=1000,
-                 warmup_loss_steps=150, batch_size=8, eval_every=200, eval_prompts=32,
-                 eval_mixed_prompts=16, patience=3)  # fmt: skip
-    c.ckpt.every = 200
+    c.mtp.update(loss=a.loss, init=a.init, draft_vocab=8192, cache_hidden=True, steps=600,
+                 warmup_loss_steps=100, batch_size=8, eval_every=150, eval_prompts=32,
+                 eval_mixed_prompts=16, patience=2)  # fmt: skip
+    c.ckpt.every = 150
     if a.runlocal:
         c.rollout.max_new_tokens = 8
         c.distill.update(num_samples=4, batch_size=4)

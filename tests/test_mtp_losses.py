@@ -59,8 +59,9 @@ def naive(name, draft, target, head, tokens, mask, temperature=1.0):
         return _mean(1 - prods.mean(0), ok)
     if name == "e2e_tv_partial":  # chains cut at the end: steps after the first unsupervised one
         return _mean(1 - (prods * jnp.cumprod(valid, 0)).mean(0), valid[0])
-    if name == "dca":
-        return _mean(-jnp.log(prods.sum(0)), ok)
+    if name == "dca":  # chains cut at the end, as e2e_tv_partial
+        terms = (prods * jnp.cumprod(valid, 0)).sum(0)
+        return _mean(-jnp.log(jnp.where(valid[0], terms, 1.0)), valid[0])
     raise KeyError(name)
 
 
@@ -87,6 +88,45 @@ def test_partial_chains_train_step_one_near_the_end_of_a_sequence():
     assert float(jnp.abs(grads["e2e_tv"][0, :, T - 3]).max()) == 0.0
     assert float(jnp.abs(grads["e2e_tv_partial"][0, :, T - 3]).max()) > 1e-4
     assert float(jnp.abs(grads["e2e_tv_partial"][1:, :, T - 3]).max()) == 0.0  # past the end
+
+
+def test_dca_trains_every_anchor_whose_gated_terms_are_inside_the_sequence():
+    """The issue's case: T = 12, 5 chain steps, verify cycles with accept length 1 at anchors
+    0, 2, .., 8 and longer ones at 9 and 10. Every cycle anchor whose step 1 is supervised gets a
+    gradient on exactly its gated, in-sequence steps (anchors 6, 8, 9 were dropped when all 5 steps
+    had to fit); the loss equals a naive per-term reference."""
+    y, t = 5, 12
+    rng = np.random.default_rng(3)
+    draft = jnp.asarray(rng.normal(size=(y, 1, t, D)), jnp.float32)
+    target = jnp.asarray(rng.normal(size=(1, t, D)), jnp.float32)
+    head = jnp.asarray(1.5 * rng.normal(size=(D, V)), jnp.float32)
+    tokens = jnp.asarray(rng.integers(0, V, (1, t)), jnp.int32)
+    mask = np.ones((1, t), np.float32)
+    mask[:, :2] = 0.0  # a 2-token prompt
+    accept_len = np.zeros((1, t), np.int32)
+    accept_len[0, [0, 2, 4, 6, 8, 9, 10]] = [1, 1, 1, 1, 1, 3, 2]
+
+    @jax.jit
+    def loss(d):
+        return L.dca_loss(d, target, head, tokens, mask, chunk=8, accept_len=accept_len)[0]
+
+    @jax.jit
+    def naive_gated(d):
+        lq, lp, _, valid = _naive_parts(d, target, head, tokens, mask)
+        alpha = jnp.minimum(jnp.exp(lp), jnp.exp(lq)).sum(-1)
+        gate = jnp.arange(1, y + 1)[:, None, None] <= accept_len[None]
+        prods = jnp.cumprod(alpha, 0) * jnp.cumprod(valid, 0) * gate
+        ok = valid[0] & (accept_len > 0)
+        return _mean(-jnp.log(jnp.where(ok, prods.sum(0), 1.0)), ok)
+
+    g = np.abs(np.asarray(jax.jit(jax.grad(loss))(draft)))[:, 0]  # [Y, T]
+    for a in range(t):
+        m = int(accept_len[0, a])
+        inside = [s for s in range(y) if a + s + 2 < t and s < m]
+        trained = [s for s in range(y) if g[s, a].max() > 0]
+        assert trained == inside, (a, trained, inside)
+    assert [a for a in range(t) if g[0, a].max() > 0] == [0, 2, 4, 6, 8, 9]  # 10: step 1 is past T
+    np.testing.assert_allclose(loss(draft), naive_gated(draft), rtol=1e-5)
 
 
 def test_tv_of_identical_distributions_is_zero():
@@ -146,7 +186,8 @@ def naive_subset(name, draft, target, head, tokens, mask, temperature=1.0):
         return _mean(1 - prods.mean(0), ok)
     if name == "e2e_tv_partial":
         return _mean(1 - (prods * jnp.cumprod(valid, 0)).mean(0), valid[0])
-    return _mean(-jnp.log(prods.sum(0)), ok)  # dca
+    terms = (prods * jnp.cumprod(valid, 0)).sum(0)  # dca, chains cut at the end
+    return _mean(-jnp.log(jnp.where(valid[0], terms, 1.0)), valid[0])
 
 
 @pytest.mark.parametrize("name", list(L.MTP_LOSSES))

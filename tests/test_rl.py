@@ -1,27 +1,36 @@
-"""RL: GRPO math, reward parsing, the async loop's staleness bound and failure handling, MTP
-strategies never touching the policy, GrowMTP growing a head, kill-and-resume."""
+"""RL: GRPO math (truncated-sampler ratios, the KL term), reward parsing and the reward sandbox,
+the async loop's staleness bound, step records and failure handling, MTP strategies never
+touching the policy, GrowMTP's target and growing a head, kill-and-resume."""
 
+import dataclasses
 import json
 import os
 import signal
 import subprocess
 import sys
 import time
+from types import SimpleNamespace
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from flax import nnx
 
 from bebop import config as config_lib
-from bebop import sharding
-from bebop.config import MeshConfig
+from bebop import model, mtp_train, sampling, sharding, speculative
+from bebop import mtp as mtp_lib
+from bebop.config import MeshConfig, OptimConfig
 from bebop.metrics import read_jsonl
-from bebop.rl import grpo, rewards, tasks
+from bebop.rl import grpo, loop, records, rewards, tasks
 from bebop.rl import stage as rl_stage
+from bebop.speculative import ACCEPTED, REJECTED
+from bebop.tokenizer import CharTokenizer
+from bebop.train import NonFiniteError, TrainState, make_optimizer, make_train_step
 
+from . import reward_fns
 from .conftest import REPO
-from .helpers import random_policy
+from .helpers import perturb, random_policy
 
 # ----------------------------------------------------------------------------- GRPO
 
@@ -34,10 +43,13 @@ def test_advantages_sum_to_zero_per_group():
     np.testing.assert_allclose(grpo.advantages(r, True).std(1), 1.0, atol=1e-3)
 
 
+T1 = sampling.SamplingConfig(temperature=1.0)
+
+
 def _batch(tiny_cfg, pol, shift=0.0):
     rng = np.random.default_rng(1)
     tokens = jnp.asarray(rng.integers(0, tiny_cfg.vocab_size, (4, 10)), jnp.int32)
-    logp, _ = grpo.token_logprobs(*pol, tokens, 1.0)
+    logp, _ = grpo.token_logprobs(*pol, tokens, T1)
     mask = jnp.zeros((4, 10)).at[:, 4:].set(1.0)
     adv = jnp.asarray([1.0, -1.0, 0.5, -0.5])
     return {"tokens": tokens, "mask": mask, "behaviour_logp": logp + shift, "adv": adv}
@@ -45,7 +57,7 @@ def _batch(tiny_cfg, pol, shift=0.0):
 
 def test_on_policy_ratio_is_exactly_one(tiny_cfg):
     pol = random_policy(tiny_cfg, 0)
-    _, m = grpo.policy_loss(*pol, _batch(tiny_cfg, pol), 0.2, 0.28, 0.0, "token", 1.0)
+    _, m = grpo.policy_loss(*pol, _batch(tiny_cfg, pol), 0.2, 0.28, 0.0, "token", T1)
     assert float(m["ratio_mean"]) == 1.0 and float(m["ratio_max"]) == 1.0
     assert float(m["clip_frac"]) == 0.0
 
@@ -55,7 +67,7 @@ def test_clipped_objective_has_no_gradient_outside_the_clip_range(tiny_cfg):
     gd, params = pol
 
     def grad_norm(batch):
-        g = jax.grad(lambda p: grpo.policy_loss(gd, p, batch, 0.2, 0.28, 0.0, "token", 1.0)[0])(
+        g = jax.grad(lambda p: grpo.policy_loss(gd, p, batch, 0.2, 0.28, 0.0, "token", T1)[0])(
             params
         )
         return float(sum(jnp.abs(x).sum() for x in jax.tree.leaves(g)))
@@ -67,6 +79,79 @@ def test_clipped_objective_has_no_gradient_outside_the_clip_range(tiny_cfg):
     lo["adv"] = -jnp.abs(lo["adv"])
     assert grad_norm(hi) == 0.0 and grad_norm(lo) == 0.0
     assert grad_norm(_batch(tiny_cfg, pol)) > 0.0  # inside the range it does move
+
+
+def _sampled_batch(tiny_cfg, pol, scfg, adv):
+    """Rollouts of the real sampler laid out as the RL stage does (behaviour log-probs aligned)."""
+    prompts = [[1, 5, 6], [1, 3], [1, 4, 4, 9], [1, 8]]
+    toks, lens = sampling.pad_prompts(prompts)
+    out = jax.device_get(sampling.sample_jit(*pol, toks, lens, jax.random.key(0), scfg))
+    b, p = toks.shape
+    tokens = np.zeros((b, p + scfg.max_new_tokens), np.int32)
+    mask, behaviour = np.zeros(tokens.shape, np.float32), np.zeros(tokens.shape, np.float32)
+    tokens[:, :p] = toks
+    for r in range(b):
+        s, n = lens[r], out.lengths[r]
+        tokens[r, s : s + n] = out.tokens[r, :n]
+        mask[r, s : s + n] = 1.0
+        behaviour[r, s : s + n] = out.logprobs[r, :n]
+    return {"tokens": tokens, "mask": mask, "behaviour_logp": behaviour, "adv": np.asarray(adv)}
+
+
+TOP_P = sampling.SamplingConfig(top_p=0.5, max_new_tokens=8, eos_ids=(-1,))
+
+
+@pytest.mark.parametrize(
+    "scfg",
+    [TOP_P, sampling.SamplingConfig(temperature=0.7, top_k=3, max_new_tokens=8, eos_ids=(-1,))],
+    ids=["top_p0.5", "t0.7_top_k3"],
+)
+def test_truncated_sampler_on_policy_ratio_is_one_and_negative_advantages_get_gradient(
+    tiny_cfg, scfg
+):
+    """Behaviour log-probs from the real sampler with top-p 0.5 (or top-k 3 at T = 0.7): the
+    learner's on-policy ratio is 1 (1e-4) at every token, and with every advantage −1 the policy
+    gets a gradient. (The untruncated softmax gave ratio = nucleus mass < 1 and, once that is
+    below 1 − clip_low, exactly zero gradient.)"""
+    gd, params = random_policy(tiny_cfg, 0)
+    batch = _sampled_batch(tiny_cfg, (gd, params), scfg, [-1.0] * 4)
+
+    def loss(p):
+        return grpo.policy_loss(gd, p, batch, 0.2, 0.28, 0.0, "token", scfg)
+
+    (_, m), g = jax.jit(jax.value_and_grad(loss, has_aux=True))(params)
+    assert abs(float(m["ratio_max"]) - 1) < 1e-4 and abs(float(m["ratio_min"]) - 1) < 1e-4
+    norms = [float(jnp.abs(x).max()) for x in jax.tree.leaves(g)]
+    assert all(np.isfinite(norms)) and max(norms) > 1e-4
+    if scfg is TOP_P:  # the old learner's untruncated log-probs: ratio = the nucleus mass
+        full = grpo.untruncated(scfg)
+        _, m_full = jax.jit(
+            lambda p: grpo.policy_loss(gd, p, batch, 0.2, 0.28, 0.0, "token", full)
+        )(params)
+        assert float(m_full["ratio_min"]) < 0.99
+
+
+def test_kl_term_is_zero_at_the_reference_and_trains_towards_it(tiny_cfg):
+    """k3 KL to the reference through the real optimizer and train step, advantages 0: exactly
+    0 when the policy is the reference; with the reference elsewhere, 5 steps cut it by more
+    than half."""
+    gd, params = random_policy(tiny_cfg, 0)
+    batch = _sampled_batch(tiny_cfg, (gd, params), TOP_P, [0.0] * 4)
+    ref = jax.jit(lambda p: perturb(p, 1, 0.1))(params)
+    same = jax.tree.map(jnp.copy, params)  # the state's own buffers are donated
+
+    def loss(p, b, _):
+        return grpo.policy_loss(gd, p, b, 0.2, 0.28, 1.0, "token", TOP_P)
+
+    opt = make_optimizer(OptimConfig(lr=3e-2, warmup_steps=0, schedule="constant"), 5)
+    step = make_train_step(loss, opt)
+    state, m = step(TrainState.create(params, opt, 0), {**batch, "ref_policy": same})
+    assert float(m["kl"]) == 0.0 and float(m["loss"]) == 0.0
+    kls = []
+    for _ in range(5):
+        state, m = step(state, {**batch, "ref_policy": ref})
+        kls.append(float(m["kl"]))
+    assert kls[0] > 1e-3 and kls[-1] < 0.5 * kls[0], kls
 
 
 # ----------------------------------------------------------------------------- rewards
@@ -111,18 +196,99 @@ def test_gsm8k_loader(tmp_path):
 
 
 def test_failing_reward_function_fails_loudly():
-    def broken(text, problem):
-        raise KeyError("boom")
-
     with pytest.raises(rewards.RewardError, match="KeyError"):
-        rewards.score(broken, ["a"], [None], timeout_s=5, retries=2)
+        rewards.score(reward_fns.broken, ["a"], [None], timeout_s=5, retries=2)
+    with pytest.raises(rewards.RewardError, match="rl.reward_timeout_s"):
+        rewards.score(reward_fns.slow, ["a"], [None], timeout_s=0.2, retries=0)
 
-    def slow(text, problem):
-        time.sleep(2)
+    def local(text, problem):  # cannot be sent to a worker process
         return 1.0
 
-    with pytest.raises(rewards.RewardError, match="exceeded"):
-        rewards.score(slow, ["a"], [None], timeout_s=0.2, retries=0)
+    with pytest.raises(rewards.RewardError, match="module-level function"):
+        rewards.score(local, ["a"], [None], timeout_s=5, retries=0)
+    np.testing.assert_array_equal(  # the pool still works after all that
+        rewards.score(
+            rewards._arith_reward, [">3", ">4"], [tasks.Problem("1+2=", 3, "")] * 2, 5, 0
+        ),
+        [1.0, 0.0],
+    )
+
+
+HANG = """
+import sys, time
+from bebop.rl import rewards
+from tests import reward_fns
+t0 = time.monotonic()
+r = rewards.score(reward_fns.hangs_on_b, ["a", "b", "c"], [None] * 3, {t}, 1, "zero")
+print("zero", r.tolist(), time.monotonic() - t0, flush=True)
+t0 = time.monotonic()
+try:
+    rewards.score(reward_fns.hangs_on_b, ["a", "b", "c"], [None] * 3, {t}, 0, "error")
+finally:
+    print("error after", time.monotonic() - t0, flush=True)
+"""
+
+
+def test_a_hanging_reward_scores_zero_or_fails_and_the_process_exits():
+    """A reward that never returns, in a fresh interpreter: with `zero` it scores 0 (the others
+    are kept) after the timeout and one retry in a rebuilt pool; with `error` a RewardError naming
+    rl.reward_timeout_s. Each within 2 x timeout + 3 s (pool start-up), and the process exits
+    (the thread pool this replaced raised, then never exited)."""
+    t = 0.5
+    proc = subprocess.run([sys.executable, "-c", HANG.format(t=t)], cwd=REPO, capture_output=True,
+                          text=True, timeout=60)  # fmt: skip
+    lines = dict(ln.split(" ", 1) for ln in proc.stdout.splitlines())
+    scores, took = lines["zero"].rsplit(" ", 1)
+    assert scores == "[1.0, 0.0, 1.0]" and 2 * t <= float(took) < 2 * t + 3, proc.stdout
+    assert t <= float(lines["error"].split()[1]) < 2 * t + 3, proc.stdout
+    assert proc.returncode == 1 and "rl.reward_timeout_s=0.5" in proc.stderr, proc.stderr[-2000:]
+
+
+# ----------------------------------------------------------------------------- GrowMTP target
+
+
+def _jit_init(make):
+    """(graphdef, params) of the module `make()` builds, initialised in one compiled call."""
+    return nnx.split(nnx.eval_shape(make))[0], jax.jit(lambda: nnx.split(make())[1])()
+
+
+def test_growmtp_target_is_the_behaviour_versions_distribution(tiny_cfg):
+    """A real recorded speculative rollout (GrowMTP's), then the learner changes the policy, head
+    and final norm included, before the MTP update. The DCA loss on the batch the stage hands
+    the MTP update measures, over the verify cycles, the same mean step-1 acceptance as the
+    verifier did (`gated_alpha_1` = the rollout's `analytic_alpha_1`, 1e-5): its target is the
+    behaviour version's distribution. The updated weights (what the stage used before) give a
+    different one. The online DCA loss is gated by the same cycles. Non-finite MTP updates in
+    a row stop the run like the policy's, naming the MTP."""
+    cfg = _rl_cfg("rl.mtp_strategy='growmtp'", "rl.prompts_per_step=4", "rl.group_size=2")
+    tok = CharTokenizer()
+    mcfg = dataclasses.replace(tiny_cfg, vocab_size=tok.vocab_size, init_std=0.3)
+    pol_gd, pol_params = _jit_init(lambda: model.Policy(mcfg, nnx.Rngs(params=0)))
+    mtp_gd, mtp_params = _jit_init(lambda: mtp_lib.MTP(mcfg, 1, nnx.Rngs(params=1)))
+    rollouts = rl_stage.Rollouts(cfg, pol_gd, mtp_gd, tok, rewards.make_task(cfg.task), True)
+    store = loop.WeightStore(keep=3)
+    store.publish(0, pol_params, mtp_params, 0)
+    batch = rollouts(0, 0, pol_params, mtp_params, 0)
+    updated = jax.jit(lambda p: perturb(p, 2, 0.1))(pol_params)  # the learner's update
+    store.publish(1, updated, mtp_params, 0)
+    fn = rl_stage.growmtp_loss(pol_gd, mtp_gd, cfg.rollout.num_draft, cfg.mtp.chunk, 1.0)
+    alpha1 = jax.jit(lambda mp, b: fn(mp, b, None)[1]["gated_alpha_1"])
+    mb = rl_stage.mtp_update_batch("growmtp", batch.data, updated, store, batch.policy_version)
+    got = float(alpha1(mtp_params, mb))
+    assert 0.02 < got < 0.98 and got == pytest.approx(batch.stats["analytic_alpha_1"], abs=1e-5)
+    assert abs(float(alpha1(mtp_params, {**batch.data, "policy": updated})) - got) > 1e-3
+    # online / joint with dca: the same gate under the name the MTP loss reads (`accept_len`);
+    # the behaviour policy recomputes its hiddens: the same α_1 (1e-4)
+    online = mtp_train.mtp_loss(pol_gd, mtp_gd, "dca", cfg.rollout.num_draft, cfg.mtp.chunk, 1.0)
+    ob = rl_stage.mtp_update_batch("online", batch.data, pol_params, store, 0)
+    got_online = jax.jit(lambda mp, b: online(mp, b, None)[1]["gated_alpha_1"])(mtp_params, ob)
+    assert "hidden" not in ob and float(got_online) == pytest.approx(got, abs=1e-4)
+
+    # the MTP's run of skipped (non-finite) updates is checked like the policy's
+    ok = SimpleNamespace(skips_in_row=0, step=7)
+    rl_stage.check_updates(ok, SimpleNamespace(skips_in_row=1, step=7), 2)
+    with pytest.raises(NonFiniteError, match="MTP updates: 2 consecutive"):
+        rl_stage.check_updates(ok, SimpleNamespace(skips_in_row=2, step=7), 2)
 
 
 # ----------------------------------------------------------------------------- the RL stage
@@ -161,7 +327,13 @@ def _copy_pre(pretrained, dst):
     return dst
 
 
-def test_staleness_bound_holds_with_a_slow_learner(pretrained, tmp_path, monkeypatch):
+def test_staleness_bound_and_step_records(pretrained, tmp_path, monkeypatch):
+    """6 steps with a slow learner and max_staleness 2, a KL penalty, evaluations every 2 steps:
+    the staleness bound is reached and never exceeded; each step's logged per-position acceptance
+    and accept-length histogram equal `speculative.summarize` of that step's rollout (captured
+    from the real sampler); the KL is exactly 0 at step 1 (policy = reference) and never makes
+    an update non-finite; lr, time split, reward spread and evaluations are logged;
+    `draft_tokens.bin` holds exactly the emitted drafts of 3 rows per step."""
     real = rl_stage.make_train_step
 
     def slow_train_step(*a, **k):
@@ -173,12 +345,54 @@ def test_staleness_bound_holds_with_a_slow_learner(pretrained, tmp_path, monkeyp
 
         return wrapped
 
+    captured, real_call = {}, rl_stage.Rollouts.__call__
+
+    def call(self, i, *a):  # keeps the speculative output the real sampler returned
+        def sample(*args):
+            out = rl_stage.Rollouts.sample(self, *args)
+            captured[i] = out[1]
+            return out
+
+        self.sample = sample
+        try:
+            return real_call(self, i, *a)
+        finally:
+            del self.sample
+
     monkeypatch.setattr(rl_stage, "make_train_step", slow_train_step)
-    cfg = _rl_cfg("rl.max_staleness=2", "rl.steps=6")
-    rl_stage.run(cfg, _copy_pre(pretrained, tmp_path), _mesh())
+    monkeypatch.setattr(rl_stage.Rollouts, "__call__", call)
+    cfg = _rl_cfg("rl.max_staleness=2", "rl.steps=6", "rl.kl_coef=0.05", "rl.eval_every=2",
+                  "rl.draft_log_rows=3")  # fmt: skip
+    summary = rl_stage.run(cfg, _copy_pre(pretrained, tmp_path), _mesh())
     recs = read_jsonl(tmp_path / "rl/metrics.jsonl")
     stale = [r["policy_version"] - 1 - r["batch_policy_version"] for r in recs]
     assert max(stale) == 2 and min(stale) >= 0  # the bound is reached and never exceeded
+
+    y = cfg.rollout.num_draft
+    keys = [f"accept_rate_{k}" for k in range(1, y + 1)] + ["accept_len"]
+    keys += [f"accept_hist_{m}" for m in range(1, y + 2)]
+    keys += [f"analytic_alpha_{k}" for k in range(1, y + 1)]
+    for r in recs:
+        summ = speculative.summarize(captured[r["step"] - 1])
+        assert [r[k] for k in keys] == [summ[k] for k in keys], r["step"]
+    # the policy starts at the reference; the KL term adds no non-finite update
+    assert recs[0]["kl"] == 0.0 and all(r["kl"] >= 0 and r["skipped"] == 0 for r in recs)
+    assert all(r["lr"] == pytest.approx(cfg.rl.optim.lr) for r in recs)
+    assert (np.diff([r["time"] for r in recs]) > 0).all()
+    for k in ("wait_s", "train_s", "sync_s", "rollout_s", "reward_s"):
+        assert all(r[k] >= 0 for r in recs), k
+    assert all(0 <= r["zero_std_frac"] <= 1 and r["reward_std"] >= 0 for r in recs)
+    assert [r["step"] for r in recs if "eval_accuracy" in r] == [2, 4]
+    assert [s for s, _ in summary["eval_curve"]] == [0, 2, 4, 6]
+
+    drafts = records.load_draft_tokens(tmp_path / "rl/draft_tokens.bin")
+    assert sorted(set(drafts["step"])) == list(range(1, 7))
+    for step in range(1, 7):
+        d = drafts[drafts["step"] == step]
+        rows = sorted(set(d["row"]))
+        status = np.asarray(captured[step - 1].stats.status)[rows]
+        assert len(rows) == 3 and len(d) == np.isin(status, [ACCEPTED, REJECTED]).sum()
+        assert d["accepted"].sum() == (status == ACCEPTED).sum()
 
 
 def test_mtp_strategies_never_touch_the_policy(pretrained, tmp_path, monkeypatch):
@@ -189,6 +403,7 @@ def test_mtp_strategies_never_touch_the_policy(pretrained, tmp_path, monkeypatch
 
     def init(self, *a, record=False, **k):
         real_init(self, *a, record=True, **k)  # hiddens + cycle lengths for growmtp replays
+        self.keep_hidden = True
 
     def call(self, i, *a):
         if i not in recorded:
@@ -270,15 +485,37 @@ def test_rl_kill_and_resume_continues_to_the_same_metrics(pretrained, tmp_path):
 
 
 def test_a_failing_reward_fails_the_run(pretrained, tmp_path, monkeypatch):
-    def broken(text, problem):
-        raise ValueError("reward backend down")
-
     real = rewards.make_task
 
     def make_task(cfg):
         t = real(cfg)
-        return rewards.Task(t.problem, t.prompt_ids, broken)
+        return rewards.Task(t.problem, t.prompt_ids, reward_fns.backend_down)
 
     monkeypatch.setattr(rl_stage.rewards, "make_task", make_task)
     with pytest.raises(rewards.RewardError, match="reward backend down"):
         rl_stage.run(_rl_cfg(), _copy_pre(pretrained, tmp_path), _mesh())
+
+
+def test_rl_without_the_mtp_stage_loads_the_trained_draft_or_names_the_missing_one(
+    pretrained, tmp_path
+):
+    """Re-running only the RL stage drafts with the `mtp` stage's checkpoint (not a random MTP);
+    with no checkpoint the error names `DIR/mtp/ckpt`; GrowMTP and plain rollouts start fresh."""
+    cfg = _rl_cfg("stages=('rl',)")
+    mesh = _mesh()
+    pol_gd, pol_params = rl_stage.policies.load(cfg, pretrained, mesh)[:2]
+    pol_cfg = model.graphdef_config(pol_gd, pol_params)
+    _, got, vocab = rl_stage.load_draft_model(cfg, pretrained, pol_cfg, pol_params, mesh)
+    want = mtp_train.load_trained(cfg, pretrained, pol_cfg, mesh)[1]
+    for a, b in zip(jax.tree.leaves(got), jax.tree.leaves(want), strict=True):
+        np.testing.assert_array_equal(a, b)
+    fresh = mtp_lib.init(pol_cfg, cfg.mtp.num_layers, cfg.seed + 100)[1]
+    assert any(
+        not np.array_equal(a, b)
+        for a, b in zip(jax.tree.leaves(got), jax.tree.leaves(fresh), strict=True)
+    )
+    (tmp_path / "mtp").mkdir()
+    with pytest.raises(FileNotFoundError, match=r"mtp/ckpt holds no checkpoint"):
+        rl_stage.load_draft_model(cfg, tmp_path, pol_cfg, pol_params, mesh)
+    grow = _rl_cfg("stages=('rl',)", "rl.mtp_strategy='growmtp'")
+    assert rl_stage.load_draft_model(grow, tmp_path, pol_cfg, pol_params, mesh)[2] is None

@@ -228,7 +228,7 @@ def test_acceptance_counts_are_consistent(rule):
     k = np.arange(y + 1)
     assert hist.shape[1] == y + 1  # accept lengths never exceed Y + 1
     np.testing.assert_array_equal(hist.sum(1), st.verify_calls)
-    np.testing.assert_array_equal((hist * k).sum(1), st.accepts.sum(1))
+    np.testing.assert_array_equal(1 + (hist * (k + 1)).sum(1), lengths)  # emitted, after cuts
     for j in range(y):  # draft j+1 is evaluated iff the first j were accepted
         np.testing.assert_array_equal(st.attempts[:, j], hist[:, j:].sum(1))
     produced = 1 + (hist * (k + 1)).sum(1)  # first token + tokens per verify before cuts

@@ -6,19 +6,28 @@ How this differs from canonical GRPO (DeepSeekMath):
   - one gradient step per rollout batch (no inner PPO epochs);
   - token-level averaging over the whole batch by default (DAPO), sequence-level optional;
   - asymmetric clipping [1 − clip_low, 1 + clip_high] (DAPO's clip-higher);
-  - the KL penalty to a reference policy is optional (k3 estimator) and off by default;
+  - the KL penalty to a reference policy is optional (k3 estimator) and off by default; the
+    reference is the policy at RL start, and its log-probs are computed inside the learner's step
+    (one extra forward, no backward, under stop_gradient) on the batch already on the device --
+    cheaper than a pass in the rollout worker, which would compete with decoding and ship an
+    extra [B, S] array;
   - advantages (r − mean_G) / (std_G + ε), or r − mean_G without the std (Dr. GRPO).
-Log-probs are of the temperature-scaled policy (the sampler's top-k / top-p truncation is not
-reapplied here; keep top_p = 1 and top_k = 0 for exact ratios).
+Log-probs are those of the distribution the sampler drew from (`sampling.stats_logprobs`:
+temperature, then top-k, then top-p, renormalised over that support), so on-policy the ratio is
+exactly 1 for any top-p / top-k. The KL term uses the temperature-scaled distributions without
+the truncation (a truncated reference would put −∞ on tokens outside its support).
 """
 
 from __future__ import annotations
+
+import dataclasses
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 
-from bebop import model
+from bebop import model, sampling
+from bebop.sampling import SamplingConfig
 
 
 def advantages(rewards_PxG: np.ndarray, std_norm: bool = True, eps: float = 1e-6) -> np.ndarray:
@@ -28,44 +37,82 @@ def advantages(rewards_PxG: np.ndarray, std_norm: bool = True, eps: float = 1e-6
     return centred / (rewards_PxG.std(axis=1, keepdims=True) + eps)
 
 
-def token_logprobs(graphdef, params, tokens_BxS, temperature: float):
-    """log π(tokens[t] | tokens[<t]) at every position t >= 1 (position 0 gets 0), and the
-    entropy of π at each position. Float32."""
+def _logits(graphdef, params, tokens_BxS):
     inputs = tokens_BxS[:, :-1]
     pos = jnp.broadcast_to(jnp.arange(inputs.shape[1]), inputs.shape)
-    logits, _ = model.forward(graphdef, params, inputs, pos)
-    logp_all = jax.nn.log_softmax(logits.astype(jnp.float32) / max(temperature, 1e-6), axis=-1)
-    logp = jnp.take_along_axis(logp_all, tokens_BxS[:, 1:, None], axis=-1)[..., 0]
-    ent = -jnp.sum(jnp.exp(logp_all) * logp_all, axis=-1)
+    return model.forward(graphdef, params, inputs, pos)[0].astype(jnp.float32)
+
+
+def _at_tokens(logp_BxTxV, tokens_BxS):
+    """log-prob of tokens[t] at every t >= 1, position 0 padded with 0: aligned with tokens."""
+    logp = jnp.take_along_axis(logp_BxTxV, tokens_BxS[:, 1:, None], axis=-1)[..., 0]
+    return jnp.concatenate([jnp.zeros_like(logp[:, :1]), logp], 1)
+
+
+def untruncated(scfg: SamplingConfig) -> SamplingConfig:
+    """The sampler's temperature without its top-k / top-p (what the KL term compares)."""
+    return dataclasses.replace(scfg, top_k=0, top_p=1.0)
+
+
+def token_logprobs(graphdef, params, tokens_BxS, scfg: SamplingConfig):
+    """log π(tokens[t] | tokens[<t]) at every position t >= 1 (position 0 gets 0) under the
+    distribution the sampler draws from (`scfg`: temperature, top-k, top-p), and its entropy at
+    each position. Float32. A token outside the support gets −∞ (ratio 0: only off-policy)."""
+    return _token_stats(_logits(graphdef, params, tokens_BxS), tokens_BxS, scfg)
+
+
+def _token_stats(logits_BxTxV, tokens_BxS, scfg):
+    logp_all = sampling.stats_logprobs(logits_BxTxV, scfg)
+    ent = jax.lax.stop_gradient(sampling.entropy(logp_all))
     pad = jnp.zeros_like(tokens_BxS[:, :1], jnp.float32)
-    return jnp.concatenate([pad, logp], 1), jnp.concatenate([pad, ent], 1)
+    return _at_tokens(logp_all, tokens_BxS), jnp.concatenate([pad, ent], 1)
 
 
-def policy_loss(graphdef, params, batch, clip_low, clip_high, kl_coef, agg, temperature):
+def k3_kl(logits_BxTxV, ref_logits_BxTxV, tokens_BxS, scfg: SamplingConfig):
+    """Per-token k3 estimate of KL(π‖π_ref) at the sampled tokens, r − log r − 1 with
+    r = π_ref / π (≥ 0, exactly 0 where π = π_ref), on the untruncated distributions; the
+    reference is under stop_gradient."""
+    full = untruncated(scfg)
+    logp = _at_tokens(sampling.stats_logprobs(logits_BxTxV, full), tokens_BxS)
+    ref = jax.lax.stop_gradient(sampling.stats_logprobs(ref_logits_BxTxV, full))
+    d = _at_tokens(ref, tokens_BxS) - logp
+    return jnp.maximum(jnp.expm1(d) - d, 0.0)  # expm1 and the floor: no float32 round-off < 0
+
+
+def policy_loss(graphdef, params, batch, clip_low, clip_high, kl_coef, agg, scfg: SamplingConfig):
     """batch: tokens [B, S], mask [B, S] (1 on response tokens), behaviour_logp [B, S] (aligned
-    with tokens), adv [B], optionally ref_logp [B, S]."""
-    logp, ent = token_logprobs(graphdef, params, batch["tokens"], temperature)
+    with tokens), adv [B]; with kl_coef > 0 also `ref_policy`: the reference policy's params.
+    `scfg`: the rollout sampler's config (its support defines the log-probs)."""
+    logits = _logits(graphdef, params, batch["tokens"])
+    logp, ent = _token_stats(logits, batch["tokens"], scfg)
     mask = batch["mask"]
     ratio = jnp.exp(logp - batch["behaviour_logp"])
     adv = batch["adv"][:, None]
     clipped = jnp.clip(ratio, 1.0 - clip_low, 1.0 + clip_high)
     obj = jnp.minimum(ratio * adv, clipped * adv)
     per_tok = -obj
+    n = jnp.maximum(mask.sum(), 1.0)
+    metrics = {}
     if kl_coef > 0:
-        d = batch["ref_logp"] - logp
-        per_tok = per_tok + kl_coef * (jnp.exp(d) - d - 1.0)  # k3 estimator of KL(π‖π_ref)
+        if "ref_policy" not in batch:
+            raise ValueError(
+                "rl.kl_coef > 0: the learner batch needs 'ref_policy' (reference params)"
+            )
+        ref_logits = jax.lax.stop_gradient(_logits(graphdef, batch["ref_policy"], batch["tokens"]))
+        kl = k3_kl(logits, ref_logits, batch["tokens"], scfg)
+        per_tok = per_tok + kl_coef * kl
+        metrics["kl"] = (kl * mask).sum() / n
     if agg == "token":
-        loss = (per_tok * mask).sum() / jnp.maximum(mask.sum(), 1.0)
+        loss = (per_tok * mask).sum() / n
     else:  # sequence: mean over each sequence's tokens, then over sequences
         per_seq = (per_tok * mask).sum(1) / jnp.maximum(mask.sum(1), 1.0)
         loss = per_seq.mean()
-    n = jnp.maximum(mask.sum(), 1.0)
     was_clipped = (jnp.abs(ratio - clipped) > 0) & (ratio * adv > clipped * adv)
-    metrics = {
+    metrics.update({
         "entropy": (ent * mask).sum() / n,
         "clip_frac": (was_clipped * mask).sum() / n,
         "ratio_mean": (ratio * mask).sum() / n,
         "ratio_max": jnp.max(jnp.where(mask > 0, ratio, 0.0)),
         "ratio_min": jnp.min(jnp.where(mask > 0, ratio, jnp.inf)),
-    }
+    })  # fmt: skip
     return loss, metrics

@@ -19,6 +19,7 @@ from collections.abc import Callable
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 
 
 class StalenessError(RuntimeError):
@@ -33,6 +34,7 @@ class RolloutBatch:
     data: dict  # numpy arrays, leading axis = rollouts
     stats: dict
     timings: dict
+    draft_tokens: np.ndarray | None = None  # `records.DRAFT_TOKEN_DTYPE` records of sampled rows
 
 
 @dataclasses.dataclass
@@ -59,6 +61,13 @@ class WeightStore:
             for v in [v for v in self._weights if v <= version - self.keep]:
                 del self._weights[v]
             self._cond.notify_all()
+
+    def peek(self, version: int):
+        """The weights of `version` now; a `StalenessError` if they are not held."""
+        with self._cond:
+            if version not in self._weights:
+                raise StalenessError(f"weights of version {version} are not held")
+            return self._weights[version]
 
     def get(self, version: int, stop: threading.Event):
         with self._cond:

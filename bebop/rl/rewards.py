@@ -1,16 +1,27 @@
 """Tasks behind one interface (problem i of a stream, its prompt ids, the reward of a completion)
-and reward scoring with a time bound and loud failures.
+and reward scoring in worker processes with a time bound and loud failures.
 
 Reward code parses text; it never evaluates model output as code. Completions are truncated
-(tasks.py caps lengths) and every batch of reward calls has a wall-clock bound: a reward function
-that raises or exceeds `timeout_s` fails the whole group with `RewardError` (after `retries`
-further attempts) instead of silently becoming a zero reward.
+(tasks.py caps lengths) and every batch of reward calls has a wall-clock bound, `timeout_s`
+(`rl.reward_timeout_s`). Rewards run in a persistent pool of worker processes (spawned, never
+forked from the multithreaded JAX parent; started once, so the common case pays no start-up): a
+call that hangs is ended by terminating the pool, which is rebuilt on the next batch, so a stuck
+reward can neither hang the run nor keep the interpreter from exiting. A reward function that
+raises fails the whole group with `RewardError` (after `retries` further attempts) instead of
+silently becoming a zero; one that exceeds the bound does the same, or scores 0 when
+`on_timeout="zero"` (`rl.reward_timeout_action`). Reward functions and problems cross a process
+boundary, so they must be picklable: module-level functions and plain dataclasses.
 """
 
 from __future__ import annotations
 
-import concurrent.futures as cf
+import atexit
 import dataclasses
+import logging
+import multiprocessing
+import os
+import threading
+import time
 from collections.abc import Callable, Sequence
 
 import numpy as np
@@ -31,11 +42,15 @@ class Task:
     reward: Callable[[str, object], float]  # (completion text, problem) -> reward
 
 
+def _arith_reward(text: str, p: tasks.Problem) -> float:
+    return tasks.reward(text, p.answer)
+
+
 def _arith(cfg: TaskConfig) -> Task:
     return Task(
         problem=lambda seed, i: tasks.problem_at(cfg, seed, i),
         prompt_ids=prompts.task_prompt_ids,
-        reward=lambda text, p: tasks.reward(text, p.answer),
+        reward=_arith_reward,
     )
 
 
@@ -90,22 +105,129 @@ def make_task(cfg: TaskConfig) -> Task:
     return TASKS[cfg.name](cfg)
 
 
-def score(reward_fn, texts: Sequence[str], problems: Sequence, timeout_s: float, retries: int):
-    """Rewards for a batch; raises RewardError on an exception or a timeout (after retries)."""
-    last = None
-    for _attempt in range(retries + 1):
-        pool = cf.ThreadPoolExecutor(max_workers=1)
-        future = pool.submit(
-            lambda: [float(reward_fn(t, p)) for t, p in zip(texts, problems, strict=True)]
+def _call(reward_fn, text, problem) -> float:  # runs in a worker process
+    return float(reward_fn(text, problem))
+
+
+def _ready(_) -> None:
+    return None
+
+
+STARTUP_TIMEOUT_S = 120.0
+
+
+class RewardPool:
+    """Worker processes that score rewards; `score` is serialised by a lock (the rollout worker
+    and the learner's evaluations share one pool)."""
+
+    def __init__(self, processes: int | None = None):
+        self.processes = processes or max(1, min(4, (os.cpu_count() or 2) // 2))
+        self._pool = None
+        self._lock = threading.Lock()
+
+    def _get(self):
+        if self._pool is None:
+            self._pool = multiprocessing.get_context("spawn").Pool(self.processes)
+            # Start-up (interpreter, imports) before any deadline runs: it is not the reward's.
+            try:
+                self._pool.map_async(_ready, range(self.processes)).get(STARTUP_TIMEOUT_S)
+            except multiprocessing.TimeoutError:
+                self.terminate()
+                raise RewardError(
+                    f"reward worker processes did not start within {STARTUP_TIMEOUT_S}s. Spawned "
+                    "workers re-import the main script: guard its entry point with "
+                    "`if __name__ == '__main__':`"
+                ) from None
+        return self._pool
+
+    def terminate(self) -> None:
+        """Kills the workers (a stuck reward included); the next call starts new ones."""
+        if self._pool is not None:
+            self._pool.terminate()
+            self._pool.join()
+            self._pool = None
+
+    def run(self, reward_fn, texts, problems, timeout_s: float):
+        """One attempt: (values [N], finished [N] bool, first error or None). Calls unfinished
+        at the deadline (or after an error) are killed with the pool."""
+        with self._lock:
+            pool = self._get()
+            jobs = [
+                pool.apply_async(_call, (reward_fn, t, p))
+                for t, p in zip(texts, problems, strict=True)
+            ]
+            deadline = time.monotonic() + timeout_s
+            vals, done, error = np.zeros(len(jobs), np.float32), np.zeros(len(jobs), bool), None
+            for i, job in enumerate(jobs):
+                job.wait(max(0.0, deadline - time.monotonic()))
+                if not job.ready():
+                    break
+                try:
+                    vals[i], done[i] = job.get(), True
+                except Exception as e:  # noqa: BLE001 - reported by `score`, loudly
+                    error = e
+                    break
+            for i, job in enumerate(jobs):  # whatever finished meanwhile
+                if not done[i] and job.ready() and job.successful():
+                    vals[i], done[i] = job.get(), True
+            if not all(job.ready() for job in jobs):
+                self.terminate()
+            return vals, done, error
+
+
+_POOL = RewardPool()
+atexit.register(_POOL.terminate)
+
+
+def _failure(e: BaseException) -> RewardError:
+    msg = f"reward function failed: {type(e).__name__}: {e}"
+    if "pickle" in str(e).lower():
+        msg += (
+            " (rewards run in worker processes: the reward function must be a module-level "
+            "function and problems plain picklable data)"
         )
-        try:
-            return np.asarray(future.result(timeout=timeout_s), np.float32)
-        except cf.TimeoutError as e:
-            last = RewardError(f"reward computation exceeded {timeout_s}s for {len(texts)} texts")
-            last.__cause__ = e
-        except Exception as e:  # noqa: BLE001 - any reward failure fails the group loudly
-            last = RewardError(f"reward function failed: {type(e).__name__}: {e}")
-            last.__cause__ = e
-        finally:
-            pool.shutdown(wait=False)
-    raise last
+    err = RewardError(msg)
+    err.__cause__ = e
+    return err
+
+
+def score(
+    reward_fn, texts: Sequence[str], problems: Sequence, timeout_s: float, retries: int,
+    on_timeout: str = "error", pool: RewardPool | None = None,
+):  # fmt: skip
+    """Rewards for a batch, computed in worker processes. A reward that raises: `RewardError`
+    (after `retries` further attempts of the whole batch). Calls unfinished after `timeout_s`
+    seconds are killed and retried (`retries`), then raise `RewardError` naming
+    `rl.reward_timeout_s`, or score 0.0 with `on_timeout="zero"`."""
+    if on_timeout not in ("error", "zero"):
+        raise ValueError(f"rl.reward_timeout_action={on_timeout!r}: error | zero")
+    pool = pool or _POOL
+    texts, problems = list(texts), list(problems)
+    if len(texts) != len(problems):
+        raise ValueError(f"score: {len(texts)} texts but {len(problems)} problems")
+    vals = np.zeros(len(texts), np.float32)
+    todo, failure = np.arange(len(texts)), None
+    for _attempt in range(retries + 1):
+        sub_t, sub_p = [texts[i] for i in todo], [problems[i] for i in todo]
+        v, done, error = pool.run(reward_fn, sub_t, sub_p, timeout_s)
+        if error is not None:  # a failure retries the whole batch
+            failure, todo = _failure(error), np.arange(len(texts))
+            continue
+        failure = None
+        vals[todo[done]] = v[done]
+        todo = todo[~done]
+        if not len(todo):
+            return vals
+        # The pool hands out calls in order: the first unfinished ones were running (the stuck
+        # ones among them), the rest only queued behind them. Retry those first.
+        todo = np.roll(todo, -min(pool.processes, len(todo)))
+    if failure is not None:
+        raise failure
+    if on_timeout == "zero":
+        logging.warning("%d reward calls exceeded %ss: scored 0", len(todo), timeout_s)
+        return vals
+    raise RewardError(
+        f"reward computation exceeded rl.reward_timeout_s={timeout_s}s for {len(todo)} of "
+        f"{len(texts)} completions (after {retries} retries); rl.reward_timeout_action='zero' "
+        f"scores them 0 instead"
+    )

@@ -13,13 +13,22 @@ policy (the policy parameters enter MTP losses only through `stop_gradient`):
   joint    the MTP update is fused into the learner's jitted step (same batch, the pre-update
            policy's hiddens), with its own optimizer, LR and grad-norm clipping.
   growmtp  GrowMTP: a randomly initialised MTP trained with the DCA loss on what verification
-           already computed: the recorded backbone hiddens seed the MTP (no extra backbone pass)
-           and each draft cycle's accept length gates its chain.
+           already computed: the recorded backbone hiddens seed the MTP (no extra backbone pass),
+           each draft cycle's accept length gates its chain, and the target p is the behaviour
+           version's (the weights the verifier used, kept by the weight store), over
+           min(mtp.train_steps, rollout.num_draft) chain steps (no cycle ever drafts more).
+With `rl.mtp_loss = "dca"` under online / joint, rollouts record each cycle's accept length too.
+
+Per step, `metrics.jsonl` gets the learner's metrics, the batch's rollout statistics
+(`records.rollout_stats`: reward mean / std, zero-std groups, per-position acceptance, accept-length
+histogram), a wall-clock `time`, the step's time split (rollout_s and reward_s of its batch;
+wait_s, train_s, mtp_train_s, sync_s, eval_s of the learner), `lr` / `mtp_lr`, policy and MTP
+versions, and every `rl.eval_every` steps a greedy `eval_accuracy`. `rl/draft_tokens.bin` holds
+per-token draft records (see `records`).
 """
 
 from __future__ import annotations
 
-import json
 import queue
 import threading
 import time
@@ -29,15 +38,23 @@ import jax
 import numpy as np
 from flax import nnx
 
-from bebop import distill, model, mtp_train, policies, prompts, sampling, sharding, speculative
+from bebop import config as config_lib
+from bebop import distill, io, model, mtp_train, policies, prompts, sampling, sharding, speculative
 from bebop import mtp as mtp_lib
 from bebop.ckpt import Checkpointer
 from bebop.config import RunConfig
-from bebop.fit import Interrupted
+from bebop.fit import Interrupted, Preempted, preempted
 from bebop.metrics import MetricsWriter, Progress, Timer
 from bebop.mtp_losses import dca_loss
-from bebop.rl import grpo, loop, rewards
-from bebop.train import TrainState, check_nonfinite, make_optimizer, make_train_step
+from bebop.rl import grpo, loop, records, rewards
+from bebop.train import (
+    NonFiniteError,
+    TrainState,
+    check_nonfinite,
+    make_optimizer,
+    make_train_step,
+    schedule,
+)
 
 
 def growmtp_loss(pol_gd, mtp_gd, train_steps: int, chunk: int, temperature: float):
@@ -51,10 +68,29 @@ def growmtp_loss(pol_gd, mtp_gd, train_steps: int, chunk: int, temperature: floa
         )
         return dca_loss(
             draft, policy.final_norm(hidden), policy.head_matrix(), batch["tokens"],
-            batch["mask"], chunk=chunk, temperature=temperature, accept_len=batch["cycle_len"],
+            batch["mask"], chunk=chunk, temperature=temperature, accept_len=batch["accept_len"],
         )  # fmt: skip
 
     return fn
+
+
+def mtp_update_batch(strategy: str, dev: dict, pol_params, store: loop.WeightStore, version: int):
+    """What an MTP update sees besides the rollout arrays. growmtp: the behaviour version's
+    weights (`version`, still in the store): the recorded hiddens are that version's, so the DCA
+    target p is exactly the distribution the verifier used, not the updated head applied to old
+    hiddens. online: the current policy, which recomputes the hiddens (recorded ones dropped)."""
+    if strategy == "growmtp":
+        return {**dev, "policy": store.peek(version)[0]}
+    return {**{k: v for k, v in dev.items() if k != "hidden"}, "policy": pol_params}
+
+
+def check_updates(pol_state, mtp_state, max_nonfinite: int, last_good: str = "") -> None:
+    """Stops after `max_nonfinite` non-finite updates in a row, of the policy or of the MTP."""
+    check_nonfinite(pol_state, max_nonfinite, last_good)
+    try:
+        check_nonfinite(mtp_state, max_nonfinite, last_good)
+    except NonFiniteError as e:
+        raise NonFiniteError(f"MTP updates: {e}") from None
 
 
 def greedy_accuracy(pol, tok, task, cfg: RunConfig) -> float:
@@ -68,16 +104,26 @@ def greedy_accuracy(pol, tok, task, cfg: RunConfig) -> float:
     )  # fmt: skip
     outs = sampling.generate(*pol, ids, jax.random.key(0), scfg)
     texts = [tok.decode(o) for o in outs]
-    r = rewards.score(task.reward, texts, probs, cfg.rl.reward_timeout_s, cfg.rl.reward_retries)
-    return float(r.mean())
+    return float(score(cfg, task.reward, texts, probs).mean())
+
+
+def score(cfg: RunConfig, reward_fn, texts, problems) -> np.ndarray:
+    rl = cfg.rl
+    return rewards.score(
+        reward_fn, texts, problems, rl.reward_timeout_s, rl.reward_retries,
+        rl.reward_timeout_action,
+    )  # fmt: skip
 
 
 class Rollouts:
-    """Prompts of batch i, the sampler (plain or speculative), rewards, learner arrays."""
+    """Prompts of batch i, the sampler (plain or speculative), rewards, learner arrays.
+    `record`: also each cycle's accept length (`accept_len`, by anchor position) and, for
+    growmtp, the backbone hiddens verification computed (`hidden`)."""
 
     def __init__(self, cfg: RunConfig, pol_gd, mtp_gd, tok, task, record: bool, vocab=None):
         self.cfg, self.pol_gd, self.mtp_gd, self.tok, self.task = cfg, pol_gd, mtp_gd, tok, task
         self.vocab = vocab  # the MTP's draft vocabulary (None: full)
+        self.keep_hidden = record and cfg.rl.mtp_strategy == "growmtp"
         self.scfg = distill.sampling_config(cfg, tok)
         r = cfg.rollout
         self.spec = None
@@ -116,9 +162,7 @@ class Rollouts:
                 self.tok.decode(row[:n])
                 for row, n in zip(sample.tokens, sample.lengths, strict=True)
             ]  # noqa: E501
-            r = rewards.score(
-                self.task.reward, texts, problems, cfg.rl.reward_timeout_s, cfg.rl.reward_retries
-            )
+            r = score(cfg, self.task.reward, texts, problems)
         adv = grpo.advantages(r.reshape(-1, cfg.rl.group_size), cfg.rl.std_norm).reshape(-1)
         b, p = toks.shape
         width = p + self.scfg.max_new_tokens
@@ -132,18 +176,17 @@ class Rollouts:
             mask[row, s : s + n] = 1.0
             behaviour[row, s : s + n] = sample.logprobs[row, :n]
         data = {"tokens": tokens, "mask": mask, "behaviour_logp": behaviour, "adv": adv}
-        stats = {
-            "reward_mean": float(r.mean()),
-            "response_len": float(sample.lengths.mean()),
-            "rollout_entropy": float(sample.entropy.sum() / max(1, sample.lengths.sum())),
-        }
+        stats = records.rollout_stats(r, cfg.rl.group_size, sample, spec_out)
+        drafts = None
         if spec_out is not None:
-            summ = speculative.summarize(spec_out)
-            stats.update({k: summ[k] for k in ("accept_rate", "accept_len", "analytic_alpha")})
-            if spec_out.hidden is not None:
+            if cfg.rl.draft_log_rows:
+                rows = records.sample_rows(cfg.seed, i, b, cfg.rl.draft_log_rows)
+                drafts = records.draft_token_records(spec_out, rows, step=i + 1)
+            if spec_out.cycle_len is not None:
+                data["accept_len"] = np.asarray(spec_out.cycle_len)[:, :width]
+            if self.keep_hidden:
                 data["hidden"] = np.asarray(spec_out.hidden)[:, :width]
-                data["cycle_len"] = np.asarray(spec_out.cycle_len)[:, :width]
-        return loop.RolloutBatch(i, version, mtp_version, data, stats, timer.totals)
+        return loop.RolloutBatch(i, version, mtp_version, data, stats, timer.totals, drafts)
 
 
 def _timed_rollout(rollouts: Rollouts, pol, mtp, toks, lens, spec, repeats: int) -> tuple:
@@ -176,21 +219,36 @@ def rollout_speedup(rollouts: Rollouts, pol, mtp, cfg: RunConfig) -> dict:
     return res
 
 
+def load_draft_model(cfg: RunConfig, workdir: Path, pol_cfg, pol_params, mesh):
+    """(graphdef, params, draft vocabulary) of the MTP the rollouts draft with: a fresh one for
+    GrowMTP (or plain rollouts, which never draft), else the `mtp` stage's trained MTP in
+    `DIR/mtp/ckpt` -- whether or not this launch lists that stage -- or an error naming it."""
+    ckpt_dir = Path(workdir) / "mtp" / "ckpt"
+    if cfg.rl.mtp_strategy == "growmtp" or cfg.rollout.mode == "plain":
+        return (*mtp_train.init_mtp(cfg, pol_cfg, mesh, pol_params), None)
+    if not ckpt_dir.is_dir() or not any(p.name.isdigit() for p in ckpt_dir.iterdir()):
+        raise FileNotFoundError(
+            f"rl: rollout.mode={cfg.rollout.mode!r} with rl.mtp_strategy="
+            f"{cfg.rl.mtp_strategy!r} drafts with the trained MTP, but {ckpt_dir} holds no "
+            "checkpoint: run the 'mtp' stage first (add it to `stages`), or use "
+            "rl.mtp_strategy='growmtp' or rollout.mode='plain'"
+        )
+    return policies.load_mtp(cfg, ckpt_dir, pol_cfg, mesh)
+
+
 def run(cfg: RunConfig, workdir: Path, mesh, stop_at_step: int | None = None) -> dict:
     rdir, rl = Path(workdir) / "rl", cfg.rl
     pol_gd, pol_params, tok = policies.load(cfg, workdir, mesh)
     pol_cfg = model.graphdef_config(pol_gd, pol_params)
     task = rewards.make_task(cfg.task)
-    vocab = None
-    if rl.mtp_strategy == "growmtp" or "mtp" not in cfg.stages:
-        mtp_gd, mtp_params = mtp_train.init_mtp(cfg, pol_cfg, mesh)
-    else:
-        mtp_gd, mtp_params = mtp_train.load_trained(cfg, workdir, pol_cfg, mesh)
-        vocab = mtp_train.load_draft_vocab(Path(workdir) / "mtp", pol_cfg.vocab_size)
+    mtp_gd, mtp_params, vocab = load_draft_model(cfg, workdir, pol_cfg, pol_params, mesh)
+    # The KL reference: the policy at RL start (also on resume), a copy the learner never donates.
+    ref_params = loop.snapshot(pol_params) if rl.kl_coef > 0 else None
 
     acc_before = greedy_accuracy((pol_gd, pol_params), tok, task, cfg)
     opt = make_optimizer(rl.optim, rl.steps)
     mtp_opt = make_optimizer(rl.mtp_optim, rl.steps)
+    lr_fn, mtp_lr_fn = schedule(rl.optim, rl.steps), schedule(rl.mtp_optim, rl.steps)
     pol_state = sharding.replicate_unplaced(
         TrainState.create(pol_params, opt, cfg.seed + 200), mesh
     )
@@ -200,23 +258,38 @@ def run(cfg: RunConfig, workdir: Path, mesh, stop_at_step: int | None = None) ->
     versions = {"policy": 0, "mtp": 0}
 
     ckpt = Checkpointer(rdir / "ckpt", cfg.ckpt.keep, cfg.ckpt.async_save)
-    writer = MetricsWriter(rdir / "metrics.jsonl", rdir / "tb" if cfg.tensorboard else None)
+    writer = MetricsWriter(
+        rdir / "metrics.jsonl", rdir / "tb" if cfg.tensorboard else None, config_lib.to_dict(cfg)
+    )
+    saved = None  # the newest checkpointed step: skipped updates are never saved
+
+    def last_good() -> str:
+        where = f"step {saved}" if saved is not None else "none saved this launch"
+        return f"The last good RL checkpoint ({where}) is in {ckpt.directory}; rerun to resume."
+
+    drafts_path = rdir / "draft_tokens.bin"
     restored = ckpt.restore_latest({"policy": pol_state, "mtp": mtp_state})
     if restored is not None:
         step, st, meta = restored
         pol_state, mtp_state, versions = st["policy"], st["mtp"], meta["versions"]
         writer.truncate_after(step)
+        if writer.enabled:
+            records.truncate_draft_tokens(drafts_path, step)
+    elif writer.enabled and drafts_path.exists():
+        drafts_path.unlink()  # a fresh run
     start = int(pol_state.step)
+
+    scfg = distill.sampling_config(cfg, tok)  # the learner's log-probs use the sampler's support
 
     def grpo_loss(p, b, _):
         return grpo.policy_loss(
-            pol_gd, p, b, rl.clip_low, rl.clip_high, rl.kl_coef, rl.loss_agg,
-            max(cfg.rollout.temperature, 1e-6),
+            pol_gd, p, b, rl.clip_low, rl.clip_high, rl.kl_coef, rl.loss_agg, scfg
         )  # fmt: skip
 
     temp = max(cfg.rollout.temperature, 1e-3)
     if rl.mtp_strategy == "growmtp":
-        mtp_fn = growmtp_loss(pol_gd, mtp_gd, cfg.mtp.train_steps, cfg.mtp.chunk, temp)
+        steps = min(cfg.mtp.train_steps, cfg.rollout.num_draft)
+        mtp_fn = growmtp_loss(pol_gd, mtp_gd, steps, cfg.mtp.chunk, temp)
     else:
         mtp_fn = mtp_train.mtp_loss(
             pol_gd, mtp_gd, rl.mtp_loss, cfg.mtp.train_steps, cfg.mtp.chunk, temp, vocab
@@ -234,9 +307,10 @@ def run(cfg: RunConfig, workdir: Path, mesh, stop_at_step: int | None = None) ->
 
         joint_step = jax.jit(joint, donate_argnums=(0, 1))
 
-    rollouts = Rollouts(
-        cfg, pol_gd, mtp_gd, tok, task, record=rl.mtp_strategy == "growmtp", vocab=vocab
+    record = rl.mtp_strategy == "growmtp" or (
+        rl.mtp_loss == "dca" and rl.mtp_strategy in ("online", "joint")
     )
+    rollouts = Rollouts(cfg, pol_gd, mtp_gd, tok, task, record=record, vocab=vocab)
     store = loop.WeightStore(keep=rl.max_staleness + 2)
     store.publish(
         versions["policy"], loop.snapshot(pol_state.params), loop.snapshot(mtp_state.params),
@@ -247,37 +321,54 @@ def run(cfg: RunConfig, workdir: Path, mesh, stop_at_step: int | None = None) ->
     worker = loop.RolloutWorker(rollouts, store, q, start, rl.max_staleness, stop)
     worker.start()
 
-    timer, history = Timer(), []
+    timer, history, save_due = Timer(), [], False
+    evals = [(0, acc_before)]  # (step, greedy accuracy); the RL-start policy, also on resume
     bar = Progress(rl.steps, start, "rl")
     t_start = time.perf_counter()
     try:
         for step in range(start, rl.steps):
-            with timer("wait_s"):
+            split = Timer()  # this step's time split
+            with split("wait_s"):
                 batch = loop.next_batch(q, step, versions["policy"], rl.max_staleness)
             dev = sharding.shard_batch(batch.data, mesh)
-            with timer("train_s"):
+            if ref_params is not None:
+                dev["ref_policy"] = ref_params
+            with split("train_s"):
                 if rl.mtp_strategy == "joint":
                     pol_state, mtp_state, m = joint_step(pol_state, mtp_state, dev)
                     versions["mtp"] += 1
                 else:
                     pol_state, m = policy_step(pol_state, dev)
                 jax.block_until_ready(pol_state.params)
-            check_nonfinite(pol_state, cfg.max_nonfinite)
+            m["lr"] = lr_fn(step)
             if rl.mtp_strategy == "growmtp" or (
                 rl.mtp_strategy == "online" and (step + 1) % rl.mtp_every == 0
             ):
-                with timer("mtp_train_s"):
-                    mtp_state, mm = mtp_step(mtp_state, {**dev, "policy": pol_state.params})
+                with split("mtp_train_s"):
+                    mb = mtp_update_batch(
+                        rl.mtp_strategy, dev, pol_state.params, store, batch.policy_version
+                    )
+                    mtp_state, mm = mtp_step(mtp_state, mb)
                     m = {**m, **{f"mtp_{k}": v for k, v in mm.items()}}
+                    jax.block_until_ready(mtp_state.params)
                 versions["mtp"] += 1
+            if rl.mtp_strategy != "frozen":
+                m["mtp_lr"] = mtp_lr_fn(int(mtp_state.step) - 1)
+            check_updates(pol_state, mtp_state, cfg.max_nonfinite, last_good())
             versions["policy"] += 1
-            with timer("sync_s"):
+            with split("sync_s"):
                 store.publish(
                     versions["policy"], loop.snapshot(pol_state.params),
                     loop.snapshot(mtp_state.params), versions["mtp"],
                 )  # fmt: skip
+            if rl.eval_every and (step + 1) % rl.eval_every == 0 and step + 1 < rl.steps:
+                with split("eval_s"):
+                    m["eval_accuracy"] = greedy_accuracy((pol_gd, pol_state.params), tok, task, cfg)
+                evals.append((step + 1, m["eval_accuracy"]))
+            for k, v in split.totals.items():
+                timer.totals[k] = timer.totals.get(k, 0.0) + v
             rec = {
-                **m, **batch.stats, **batch.timings,
+                **m, **batch.stats, **batch.timings, **split.totals, "time": time.time(),
                 "policy_version": versions["policy"], "batch_policy_version": batch.policy_version,
                 "batch_mtp_version": batch.mtp_version, "mtp_version": versions["mtp"],
                 "staleness": versions["policy"] - 1 - batch.policy_version,
@@ -286,8 +377,16 @@ def run(cfg: RunConfig, workdir: Path, mesh, stop_at_step: int | None = None) ->
             bar.update(1, int(batch.data["mask"].sum()), reward=f"{batch.stats['reward_mean']:.3f}")
             if (step + 1) % rl.log_every == 0 or step + 1 == rl.steps:
                 writer.write(step + 1, rec)
-            if (step + 1) % cfg.ckpt.every == 0 or step + 1 == rl.steps:
-                ckpt.save(step + 1, {"policy": pol_state, "mtp": mtp_state}, {"versions": versions})
+            if writer.enabled and batch.draft_tokens is not None:
+                records.append_draft_tokens(drafts_path, batch.draft_tokens)
+            save_due = save_due or (step + 1) % cfg.ckpt.every == 0 or step + 1 == rl.steps
+            skipped = bool(m.get("skipped", False)) or bool(m.get("mtp_skipped", False))
+            if (save_due or preempted(step + 1)) and not skipped:
+                state = {"policy": pol_state, "mtp": mtp_state}
+                ckpt.save(step + 1, state, {"versions": versions}, force=preempted(step + 1))
+                saved, save_due = step + 1, False
+            if preempted(step + 1):
+                raise Preempted(f"rl: SIGTERM at step {step + 1}; {last_good()}")
             if stop_at_step is not None and step + 1 >= stop_at_step:
                 raise Interrupted(f"stopped at step {step + 1}")
     finally:
@@ -302,7 +401,8 @@ def run(cfg: RunConfig, workdir: Path, mesh, stop_at_step: int | None = None) ->
     acc_after = greedy_accuracy(final, tok, task, cfg)
     speed = rollout_speedup(rollouts, pol_state.params, mtp_state.params, cfg)
     summary = summarize(history, rl, acc_before, acc_after, rl_wall, timer.totals, speed)
-    (rdir / "summary.json").write_text(json.dumps(summary, indent=2))
+    summary["eval_curve"] = [*evals, (rl.steps, acc_after)]  # (step, greedy accuracy)
+    io.write_json_atomic(rdir / "summary.json", summary)
     return summary
 
 
@@ -323,7 +423,7 @@ def load_trained(cfg: RunConfig, workdir: Path, mesh):
     target = jax.eval_shape(states, pol_params, mtp_params)
     target["policy"] = target["policy"].replace(params=pol_params)
     target["mtp"] = target["mtp"].replace(params=mtp_params)
-    ckpt = Checkpointer(Path(workdir) / "rl" / "ckpt", cfg.ckpt.keep, async_save=False)
+    ckpt = Checkpointer(Path(workdir) / "rl" / "ckpt", async_save=False, read_only=True)
     restored = ckpt.restore_latest(target)
     ckpt.close()
     if restored is None:

@@ -6,7 +6,7 @@ policy frozen. The warm start (the same for every loss) is the MTP trained with 
 `--warm_steps`, the analogue of the paper's CE-pretrained MTP. Evaluation is the real speculative
 sampler on held-out prompts at γ = 3: per-position acceptance of rejection sampling (RS), mean
 accept length, and target-only (TO) acceptance; deltas are against the CE row, next to the
-paper's (METHOD §7). Last line: one JSON object with the table.
+paper's (docs/method.md §7). Last line: one JSON object with the table.
 
     python experiments/mtp_loss_ablation/run.py --model demo
     python experiments/mtp_loss_ablation/run.py --model smollm2
@@ -29,7 +29,7 @@ from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[2]
 LOSSES = ("ce", "kl", "reverse_kl", "tv", "e2e_tv")
-# Bebop Table 2: RS acceptance gain over CE, in points, over its five benchmarks (METHOD §7).
+# Bebop Table 2: RS acceptance gain over CE, in points, over five benchmarks (docs/method.md §7).
 PAPER_DELTA = {"ce": "0", "kl": "≈ +0", "reverse_kl": "≤ +1.3", "tv": "+1.4 to +5.2",
                "e2e_tv": "+2.3 to +8.0", "e2e_tv_partial": "(not in the paper)"}  # fmt: skip
 MODELS = {
