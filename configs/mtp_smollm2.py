@@ -23,10 +23,11 @@ def get_config(arg=None):
     a = parse_arg(arg, runlocal=False, loss="e2e_tv", init="last_layer")
     c = base(model={}, policy=dict(source="gguf", path=""), stages=("distill", "mtp"))
     c.distill.update(num_samples=1536, batch_size=64, prompts="task", mixed_fraction=0.25)
-    c.mtp.update(loss=a.loss, init=a.init, draft_vocab=8192, cache_hidden=True, steps=600,
-                 warmup_loss_steps=100, batch_size=8, eval_every=150, eval_prompts=32,
-                 eval_mixed_prompts=16, patience=2)  # fmt: skip
-    c.ckpt.every = 150
+    # 3 trained steps (rollouts draft γ = 3; Bebop trains 5): 40 % cheaper steps on a CPU.
+    c.mtp.update(loss=a.loss, init=a.init, draft_vocab=8192, cache_hidden=True, steps=300,
+                 train_steps=3, warmup_loss_steps=60, batch_size=8, eval_every=100,
+                 eval_prompts=16, eval_mixed_prompts=8, patience=2)  # fmt: skip
+    c.ckpt.every = 100
     if a.runlocal:
         c.rollout.max_new_tokens = 8
         c.distill.update(num_samples=4, batch_size=4)

@@ -2,6 +2,7 @@
 
 import os
 import sys
+import tempfile
 from pathlib import Path
 
 os.environ["XLA_FLAGS"] = (
@@ -16,6 +17,12 @@ import pytest  # noqa: E402
 from bebop.config import ModelConfig  # noqa: E402
 
 REPO = Path(__file__).resolve().parents[1]
+
+# One persistent compilation cache for the session: many tests build fresh closures over the same
+# tiny models, which compile to identical programs; the cache turns the repeats into loads.
+jax.config.update("jax_compilation_cache_dir", tempfile.mkdtemp(prefix="bebop-tests-jax-cache-"))
+jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.0)
+jax.config.update("jax_persistent_cache_min_entry_size_bytes", 0)
 
 
 @pytest.fixture(scope="session")

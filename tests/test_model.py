@@ -40,7 +40,13 @@ def policy(request, tiny_cfg):
 
 def _full(graphdef, params, tokens):
     pos = jnp.broadcast_to(jnp.arange(tokens.shape[1]), tokens.shape)
-    return model.forward(graphdef, params, tokens, pos)[0]
+    return _forward_jit(graphdef, params, tokens, pos)[0]
+
+
+# Jitted once per shape: op-by-op dispatch of a whole forward made these tests several times slower.
+_forward_jit = jax.jit(model.forward, static_argnums=0)
+_prefill_jit = jax.jit(model.prefill, static_argnums=(0, 4))
+_extend_jit = jax.jit(model.extend, static_argnums=0)
 
 
 def test_cached_decoding_matches_full_forward(policy):
@@ -49,10 +55,10 @@ def test_cached_decoding_matches_full_forward(policy):
     tokens = jax.random.randint(jax.random.key(2), (b, t), 0, cfg.vocab_size)
     full = np.asarray(_full(graphdef, params, tokens))
     lens = np.array([3, 6, 1])
-    logits, _, cache = model.prefill(graphdef, params, tokens[:, :6], jnp.asarray(lens), 24)
+    logits, _, cache = _prefill_jit(graphdef, params, tokens[:, :6], jnp.asarray(lens), 24)
     for r in range(b):  # prompt logits, rows of different lengths
         np.testing.assert_allclose(logits[r, : lens[r]], full[r, : lens[r]], atol=1e-5)
-    extend = jax.jit(model.extend, static_argnums=0)
+    extend = _extend_jit
     for width in (1, 3, 2):  # single and multi-token extends at each row's own offset
         new = np.stack([np.asarray(tokens[r, lens[r] : lens[r] + width]) for r in range(b)])
         logits, _, cache = extend(graphdef, params, cache, jnp.asarray(new))
@@ -101,3 +107,24 @@ def test_hidden_states_feed_the_head(tiny_cfg):
     again = nnx.merge(graphdef, params).logits_from_hidden(hidden)
     np.testing.assert_allclose(logits, again, atol=1e-6)
     assert hidden.shape == (1, 8, tiny_cfg.dim)
+
+
+@pytest.mark.parametrize("variant", ["llama", "qwen3"])  # tied and untied output head
+def test_decode_weights_give_the_full_forward(tiny_cfg, variant):
+    """`decode_layers` (per-layer weights, `[D, V]` head) in prefill and extend: same logits as
+    the full forward with the stacked weights."""
+    cfg = dataclasses.replace(tiny_cfg, **VARIANTS[variant])
+    graphdef, params = model.init(cfg, seed=6)
+    layers = model.decode_layers_jit(graphdef, params)
+    assert len(layers.layers) == cfg.num_layers
+    assert layers.head_DxV.shape == (cfg.dim, cfg.vocab_size)
+    tokens = jax.random.randint(jax.random.key(7), (2, 9), 0, cfg.vocab_size)
+    full = np.asarray(_full(graphdef, params, tokens))
+    lens = jnp.array([4, 2])
+    logits, _, cache = _prefill_jit(graphdef, params, tokens[:, :4], lens, 16, layers)
+    np.testing.assert_allclose(logits[0], full[0, :4], atol=1e-5)
+    np.testing.assert_allclose(logits[1, :2], full[1, :2], atol=1e-5)
+    new = jnp.stack([tokens[0, 4:7], tokens[1, 2:5]])
+    logits, _, cache = _extend_jit(graphdef, params, cache, new, None, layers)
+    np.testing.assert_allclose(logits[0], full[0, 4:7], atol=1e-5)
+    np.testing.assert_allclose(logits[1], full[1, 2:5], atol=1e-5)
