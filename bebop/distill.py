@@ -42,16 +42,17 @@ def sample_responses(pol, ids, scfg, rng, batch_size: int, draft=None, progress=
     width = sampling.next_pow2(max(len(p) for p in ids)) + scfg.max_new_tokens
     tokens = np.full((len(ids), width), scfg.pad_id, np.int32)
     mask = np.zeros((len(ids), width), np.float32)
+    layers = model.decode_layers_jit(*pol)  # once for all batches, not a weight copy per call
     for start in range(0, len(ids), batch_size):
         batch = ids[start : start + batch_size]
         toks, lens = sampling.pad_prompts(batch, scfg.pad_id)
         key = jax.random.fold_in(rng, start)
         if draft is None:
-            out = sampling.sample_jit(*pol, toks, lens, key, scfg)
+            out = sampling.sample_jit(*pol, toks, lens, key, scfg, layers)
         else:
             mtp_gd, mtp_params, vocab, spec = draft
             out = speculative.sample_jit(
-                *pol, mtp_gd, mtp_params, toks, lens, key, scfg, spec, vocab
+                *pol, mtp_gd, mtp_params, toks, lens, key, scfg, spec, vocab, layers
             ).sample
         out = jax.device_get(out)
         for r, prompt in enumerate(batch):
