@@ -11,13 +11,15 @@ policy entropy and the analytic acceptance Σ min(p, q) of the drafted positions
 `mtp.draft_vocab = K`: the draft head keeps the K tokens most frequent in the distill responses
 (`mtp.select_draft_vocab`), saved as `DIR/mtp/draft_vocab.npy` for the samplers.
 `mtp.cache_hidden`: everything of the frozen target computed once over the distill set
-(`policy_hiddens`: hiddens and the full-vocabulary log-normalisers), so a step costs only the MTP's
-own work. `mtp.init`: random or the backbone's last layer. `mtp.patience`: stop once the held-out
+(`policy_hiddens`: hiddens and the full-vocabulary log-normalisers, kept on disk next to the
+distill data by `cached_target`), so a step costs only the MTP's own work. `mtp.init`: random or the backbone's last layer. `mtp.patience`: stop once the held-out
 RS accept length stops improving. `mtp.eval_mixed_prompts`: also evaluate on mixed chat.
 """
 
 from __future__ import annotations
 
+import hashlib
+import logging
 from pathlib import Path
 
 import jax
@@ -105,6 +107,40 @@ def policy_hiddens(pol_gd, pol_params, tokens_NxS, batch_size: int, temperature:
     return hiddens, lses
 
 
+def _fingerprint(tokens_NxS, pol_params, temperature: float) -> str:
+    """What the cached target depends on: the distill tokens, the policy's weights, T."""
+    h = hashlib.sha256(np.ascontiguousarray(tokens_NxS).tobytes())
+    for leaf in jax.tree.leaves(jax.device_get(pol_params)):
+        h.update(np.ascontiguousarray(leaf).tobytes())
+    h.update(repr(float(temperature)).encode())
+    return h.hexdigest()
+
+
+def cached_target(distill_dir: Path, pol_gd, pol_params, tokens_NxS, batch_size, temperature):
+    """`policy_hiddens` kept on disk next to the distill data (`target_T{T}/`), keyed by a hash of
+    the tokens, the policy's weights and T: every MTP run on the same data and policy (the
+    init comparison, the loss ablation, a rerun) pays the backbone pass once. Read memory-mapped;
+    a cache from other data or another policy is recomputed, never used."""
+    temperature = max(temperature, 1e-3)
+    cdir = Path(distill_dir) / f"target_T{temperature:g}"
+    key = _fingerprint(tokens_NxS, pol_params, temperature)
+    meta = cdir / "meta.json"
+    if meta.exists() and io.read_json(meta).get("fingerprint") == key:
+        hid = io.load_array(cdir / "hidden.npy", ndim=3, kind="f", mmap=True)
+        lse = io.load_array(cdir / "target_lse.npy", ndim=2, kind="f", mmap=True)
+        if hid.shape[:2] == lse.shape == tuple(tokens_NxS.shape):
+            logging.info("mtp: target hiddens from %s", cdir)
+            return {"hidden": hid, "target_lse": lse}
+        logging.warning("mtp: %s has shapes %s/%s for tokens %s; recomputing", cdir,
+                        hid.shape, lse.shape, tokens_NxS.shape)  # fmt: skip
+    hid, lse = policy_hiddens(pol_gd, pol_params, tokens_NxS, batch_size, temperature)
+    cdir.mkdir(parents=True, exist_ok=True)
+    io.save_array_atomic(cdir / "hidden.npy", hid)
+    io.save_array_atomic(cdir / "target_lse.npy", lse)
+    io.write_json_atomic(meta, {"fingerprint": key, "temperature": temperature})
+    return {"hidden": hid, "target_lse": lse}
+
+
 def init_mtp(cfg: RunConfig, pol_cfg, mesh, pol_params=None):
     """(graphdef, params) of a fresh MTP (`mtp.init`: random, or the backbone's last layer, which
     needs `pol_params`), or of `mtp.init_from`, on the mesh."""
@@ -169,8 +205,9 @@ def run(cfg: RunConfig, workdir: Path, mesh, stop_at_step: int | None = None) ->
     it = iter(distill.dataset(Path(workdir) / "distill", m.batch_size, cfg.seed))
     cached = {}
     if m.cache_hidden:  # the frozen target's hiddens and log-normalisers, computed once
-        hid, lse = policy_hiddens(pol_gd, pol_params, source.tokens, m.batch_size, max(temp, 1e-3))
-        cached = {"hidden": hid, "target_lse": lse}
+        cached = cached_target(
+            Path(workdir) / "distill", pol_gd, pol_params, source.tokens, m.batch_size, temp
+        )
 
     def make_batch(b):
         b = {**b, **{k: v[b["index"]] for k, v in cached.items()}}

@@ -14,6 +14,7 @@ from bebop import mtp as mtp_lib
 from bebop.config import OptimConfig
 from bebop.mtp_losses import MTP_LOSSES
 from bebop.mtp_train import (
+    cached_target,
     load_draft_vocab,
     mtp_loss,
     patience_stop,
@@ -105,6 +106,30 @@ def test_cached_hiddens_and_normalisers_give_the_same_loss_and_gradient(setup, v
     np.testing.assert_allclose(l0, l1, rtol=1e-5)
     for a, b in zip(jax.tree.leaves(g0), jax.tree.leaves(g1), strict=True):
         np.testing.assert_allclose(a, b, atol=1e-5)
+
+
+def test_cached_target_is_reused_only_for_the_same_tokens_policy_and_temperature(setup, tmp_path):
+    """The on-disk target cache (`cached_target`) is read back for the same distill tokens, policy
+    weights and T, and recomputed -- never reused -- when any of them changes."""
+    pol_gd, _, _, batch = setup
+    tokens, params = np.asarray(batch["tokens"]), batch["policy"]
+    first = cached_target(tmp_path, pol_gd, params, tokens, 2, 1.0)
+    again = cached_target(tmp_path, pol_gd, params, tokens, 2, 1.0)
+    assert isinstance(again["hidden"], np.memmap)  # read from disk, not recomputed
+    np.testing.assert_array_equal(again["hidden"], first["hidden"])
+    np.testing.assert_array_equal(again["target_lse"], first["target_lse"])
+    other = jax.tree.map(lambda a: a * 1.01, params)
+    changed = {
+        "policy": cached_target(tmp_path, pol_gd, other, tokens, 2, 1.0),
+        "tokens": cached_target(tmp_path, pol_gd, params, (tokens + 1) % 23, 2, 1.0),
+    }
+    for name, got in changed.items():
+        assert not isinstance(got["hidden"], np.memmap), name
+        assert np.abs(got["hidden"] - first["hidden"]).max() > 1e-4, name
+    hot = cached_target(tmp_path, pol_gd, params, tokens, 2, 0.5)  # its own directory
+    assert not isinstance(hot["hidden"], np.memmap)
+    assert np.abs(hot["target_lse"] - first["target_lse"]).max() > 1e-3
+    assert sorted(d.name for d in tmp_path.iterdir()) == ["target_T0.5", "target_T1"]
 
 
 def test_mtp_initialised_from_the_last_backbone_layer(tiny_cfg):

@@ -61,11 +61,10 @@ def main():
     args = ap.parse_args()
     main_dir, rand_dir = REPO / args.main, REPO / args.random
     if not args.plot_only:
-        launch(main_dir, "stages=('distill',)")
-        if not (rand_dir / "distill" / "summary.json").exists():
-            shutil.copytree(main_dir / "distill", rand_dir / "distill", dirs_exist_ok=True)
+        launch(main_dir)  # distils, caches the target's hiddens, trains the last-layer arm
+        # The random arm reuses the distill data and the cached target (same policy, tokens, T).
+        shutil.copytree(main_dir / "distill", rand_dir / "distill", dirs_exist_ok=True)
         launch(rand_dir, "mtp.init='random'")
-        launch(main_dir)
     arms = {"last layer": curves(main_dir), "random": curves(rand_dir)}
     setting = "SmolLM2 MTP, γ = 3, RS, T = 1"
     for key, name, prompts in [
