@@ -12,8 +12,9 @@ policy entropy and the analytic acceptance Σ min(p, q) of the drafted positions
 (`mtp.select_draft_vocab`), saved as `DIR/mtp/draft_vocab.npy` for the samplers.
 `mtp.cache_hidden`: everything of the frozen target computed once over the distill set
 (`policy_hiddens`: hiddens and the full-vocabulary log-normalisers, kept on disk next to the
-distill data by `cached_target`), so a step costs only the MTP's own work. `mtp.init`: random or the backbone's last layer. `mtp.patience`: stop once the held-out
-RS accept length stops improving. `mtp.eval_mixed_prompts`: also evaluate on mixed chat.
+distill data by `cached_target`), so a step costs only the MTP's own work. `mtp.init`: random or
+the backbone's last layer. `mtp.patience`: stop once the held-out RS accept length stops
+improving. `mtp.eval_mixed_prompts`: also evaluate on mixed chat.
 """
 
 from __future__ import annotations
