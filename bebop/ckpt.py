@@ -10,6 +10,9 @@ removes leftover `*.orbax-checkpoint-tmp-*` folders of its own interrupted saves
 (a later stage, `mtp.init_from`, `distill.draft_from`, a benchmark's `--mtp_ckpt`) opens it with
 `read_only=True`: nothing is cleaned, renamed or deleted, so a live run's in-flight save survives.
 
+Reading only some of a checkpoint (`restore_partial`, `restore_params`: the trained parameters
+without the optimizer state) needs only the shapes of what is read: no optimizer is built.
+
 Every step saved holds a state the training guards trusted (`bebop/fit.py` never saves a skipped
 or diverged step), so the newest step is always the last good one and `keep` only removes older
 good ones.
@@ -22,6 +25,8 @@ from pathlib import Path
 
 import jax
 import orbax.checkpoint as ocp
+
+from bebop import sharding
 
 log = logging.getLogger(__name__)
 
@@ -58,10 +63,12 @@ class Checkpointer:
         args = ocp.args.Composite(state=ocp.args.StandardSave(state), meta=ocp.args.JsonSave(meta))
         self.manager.save(step, args=args, force=force)
 
-    def restore_latest(self, abstract_state):
+    def restore_latest(self, abstract_state, partial: bool = False):
         """Returns (step, state, meta) of the newest restorable step, or None if there is none.
 
-        `abstract_state` is a pytree of `jax.ShapeDtypeStruct` (with shardings) or arrays. Steps
+        `abstract_state` is a pytree of `jax.ShapeDtypeStruct` (with shardings) or arrays;
+        `partial=True`: a subtree of what was saved (dicts holding some of the saved keys), and
+        only that is read. Steps
         newer than the one restored are quarantined (not by a read-only reader, which only
         skips them). If no step restores, nothing is touched and
         `CheckpointRestoreError` is raised (most likely the config changed: starting afresh
@@ -69,14 +76,19 @@ class Checkpointer:
         """
         self.manager.wait_until_finished()
         target = jax.tree.map(ocp.utils.to_shape_dtype_struct, abstract_state)
+        if partial:
+            state_args = ocp.args.PyTreeRestore(
+                item=target,
+                restore_args=ocp.checkpoint_utils.construct_restore_args(target),
+                partial_restore=True,
+            )
+        else:
+            state_args = ocp.args.StandardRestore(target)
         failed = []
         for step in sorted(self.manager.all_steps(), reverse=True):
             try:
                 restored = self.manager.restore(
-                    step,
-                    args=ocp.args.Composite(
-                        state=ocp.args.StandardRestore(target), meta=ocp.args.JsonRestore()
-                    ),
+                    step, args=ocp.args.Composite(state=state_args, meta=ocp.args.JsonRestore())
                 )
             except Exception as e:  # noqa: BLE001 - any failure means: try an older step
                 log.warning("checkpoint step %d is unreadable (%s); trying an older one", step, e)
@@ -108,3 +120,25 @@ class Checkpointer:
     def close(self) -> None:
         self.manager.wait_until_finished()
         self.manager.close()
+
+
+def restore_partial(ckpt_dir: Path, target):
+    """The subtree `target` (ShapeDtypeStructs with shardings, dicts keyed like the saved state)
+    of the newest readable checkpoint in `ckpt_dir`, opened read-only: a live run's in-flight
+    save there is left alone."""
+    ckpt = Checkpointer(ckpt_dir, read_only=True)
+    try:
+        restored = ckpt.restore_latest(target, partial=True)
+    finally:
+        ckpt.close()
+    if restored is None:
+        raise FileNotFoundError(f"{ckpt_dir}: no checkpoint")
+    return restored[1]
+
+
+def restore_params(ckpt_dir: Path, abstract_params, mesh):
+    """The trained params (`TrainState.params`) of a stage's newest readable checkpoint, placed
+    on `mesh` by their logical axes; `abstract_params` gives their shapes (real arrays work too).
+    Reads neither the optimizer state nor anything else."""
+    target = sharding.abstract_on_mesh(abstract_params, mesh)
+    return restore_partial(ckpt_dir, {"params": target})["params"]

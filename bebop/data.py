@@ -2,17 +2,20 @@
 
 The SFT stream is a random-access synthetic source (example `i` is a pure function of the seed and
 `i`), batched by grain; the iterator's state (`{"next_index": ...}`) goes into every checkpoint so a
-resumed run continues with exactly the batches it would have seen.
+resumed run continues with exactly the batches it would have seen. The distill set is the `distill`
+stage's `DIR/distill/` arrays (`tokens.npy`, `mask.npy` `[N, S]`), read memory-mapped, shuffled
+and repeated.
 """
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import grain
 import numpy as np
 
-from bebop import prompts
+from bebop import io, tasks
 from bebop.config import TaskConfig
-from bebop.rl import tasks
 from bebop.tokenizer import CharTokenizer
 
 
@@ -52,5 +55,31 @@ def sft_dataset(task: TaskConfig, tok: CharTokenizer, seq_len: int, batch: int, 
     return grain.MapDataset.source(source).batch(batch, drop_remainder=True)
 
 
-def eval_problems(task: TaskConfig, seed: int, n: int) -> list[tasks.Problem]:
-    return [tasks.problem_at(task, seed + prompts.STREAMS["eval"], i) for i in range(n)]
+class DistillSource:
+    def __init__(self, directory: Path):
+        directory = Path(directory)
+        for name in ("tokens.npy", "mask.npy"):
+            if not (directory / name).exists():
+                raise FileNotFoundError(f"{directory / name}: run the distill stage first")
+        self.tokens = io.load_array(directory / "tokens.npy", ndim=2, kind="i", mmap=True)
+        self.mask = io.load_array(directory / "mask.npy", ndim=2, kind="f", mmap=True)
+        if self.tokens.shape != self.mask.shape:
+            raise io.DamagedFileError(
+                f"{directory}: tokens.npy {self.tokens.shape} and mask.npy {self.mask.shape} "
+                "differ in shape; re-run the distill stage"
+            )
+
+    def __len__(self) -> int:
+        return self.tokens.shape[0]
+
+    def __getitem__(self, i: int) -> dict:
+        return {
+            "tokens": np.asarray(self.tokens[i]),
+            "mask": np.asarray(self.mask[i]),
+            "index": np.int32(i),
+        }
+
+
+def distill_dataset(directory: Path, batch_size: int, seed: int):
+    source = DistillSource(directory)
+    return grain.MapDataset.source(source).shuffle(seed=seed).repeat().batch(batch_size)

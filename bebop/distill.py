@@ -2,8 +2,8 @@
 
 Samples responses from the frozen policy at the rollout temperature and stores token ids only
 (nothing decoded) in `DIR/distill/`: `tokens.npy` `[N, S]` int32 (prompt, then response,
-right-padded) and `mask.npy` `[N, S]` (1 on response tokens). `DistillSource` reads them for grain
-with memory mapping.
+right-padded) and `mask.npy` `[N, S]` (1 on response tokens). `data.DistillSource` reads them for
+grain with memory mapping.
 
 Prompts (`distill.prompts`): the run's own task -- what RL will sample -- with a
 `distill.mixed_fraction` share of mixed chat requests so that the MTP generalises beyond the
@@ -17,22 +17,12 @@ from __future__ import annotations
 import time
 from pathlib import Path
 
-import grain
 import jax
 import numpy as np
 
-from bebop import io, model, policies, prompts, sampling, speculative
+from bebop import io, model, policies, prompts, rollout, sampling, speculative
 from bebop.config import RunConfig
 from bebop.metrics import Progress
-
-
-def sampling_config(cfg: RunConfig, tok, max_new_tokens: int | None = None):
-    r = cfg.rollout
-    return sampling.SamplingConfig(
-        temperature=r.temperature, top_p=r.top_p, top_k=r.top_k,
-        max_new_tokens=max_new_tokens or r.max_new_tokens, eos_ids=tuple(tok.eos_ids),
-        pad_id=tok.pad_id,
-    )  # fmt: skip
 
 
 def sample_responses(pol, ids, scfg, rng, batch_size: int, draft=None, progress=None):
@@ -81,9 +71,14 @@ def run(cfg: RunConfig, workdir: Path, mesh) -> dict:
     t0 = time.perf_counter()
     try:
         tokens, mask = sample_responses(
-            (graphdef, params), ids, sampling_config(cfg, tok), jax.random.key(cfg.seed + 1),
-            d.batch_size, draft, progress=lambda rows, n: bar.update(rows, n),
-        )  # fmt: skip
+            (graphdef, params),
+            ids,
+            rollout.sampling_config(cfg, tok),
+            jax.random.key(cfg.seed + 1),
+            d.batch_size,
+            draft,
+            progress=lambda rows, n: bar.update(rows, n),
+        )
     finally:
         bar.close()
     for name, arr in (("tokens", tokens), ("mask", mask)):  # atomic: a crash leaves no partial file
@@ -100,33 +95,3 @@ def run(cfg: RunConfig, workdir: Path, mesh) -> dict:
     }
     io.write_json_atomic(ddir / "summary.json", summary)
     return summary
-
-
-class DistillSource:
-    def __init__(self, directory: Path):
-        directory = Path(directory)
-        for name in ("tokens.npy", "mask.npy"):
-            if not (directory / name).exists():
-                raise FileNotFoundError(f"{directory / name}: run the distill stage first")
-        self.tokens = io.load_array(directory / "tokens.npy", ndim=2, kind="i", mmap=True)
-        self.mask = io.load_array(directory / "mask.npy", ndim=2, kind="f", mmap=True)
-        if self.tokens.shape != self.mask.shape:
-            raise io.DamagedFileError(
-                f"{directory}: tokens.npy {self.tokens.shape} and mask.npy {self.mask.shape} "
-                "differ in shape; re-run the distill stage"
-            )
-
-    def __len__(self) -> int:
-        return self.tokens.shape[0]
-
-    def __getitem__(self, i: int) -> dict:
-        return {
-            "tokens": np.asarray(self.tokens[i]),
-            "mask": np.asarray(self.mask[i]),
-            "index": np.int32(i),
-        }
-
-
-def dataset(directory: Path, batch_size: int, seed: int):
-    source = DistillSource(directory)
-    return grain.MapDataset.source(source).shuffle(seed=seed).repeat().batch(batch_size)

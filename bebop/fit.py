@@ -27,8 +27,8 @@ from pathlib import Path
 
 import jax
 
+from bebop import ckpt as ckpt_lib
 from bebop import config as config_lib
-from bebop import sharding
 from bebop.ckpt import Checkpointer
 from bebop.config import RunConfig
 from bebop.metrics import MetricsWriter, Progress
@@ -203,16 +203,9 @@ def fit(
     return FitResult(state, int(state.step) - start, time.perf_counter() - t0, last, last_eval)
 
 
-def restore_params(ckpt_dir: Path, abstract_params, optimizer, mesh):
-    """The trained params of a stage's newest readable checkpoint, placed on `mesh`. Opens the
-    directory read-only: a live run's in-flight save there is left alone."""
-    target = sharding.abstract_on_mesh(abstract_params, mesh)
-    abstract_state = jax.eval_shape(lambda p: TrainState.create(p, optimizer, 0), target)
-    ckpt = Checkpointer(ckpt_dir, read_only=True)
-    try:
-        restored = ckpt.restore_latest(abstract_state.replace(params=target))
-    finally:
-        ckpt.close()
-    if restored is None:
-        raise FileNotFoundError(f"{ckpt_dir}: no checkpoint")
-    return restored[1].params
+def restore_params(ckpt_dir: Path, abstract_params, optimizer_or_mesh, mesh=None):
+    """`ckpt.restore_params(ckpt_dir, abstract_params, mesh)`. Also accepts the old call
+    `(ckpt_dir, abstract_params, optimizer, mesh)` (the optimizer is not needed; ignored)."""
+    return ckpt_lib.restore_params(
+        ckpt_dir, abstract_params, optimizer_or_mesh if mesh is None else mesh
+    )

@@ -23,6 +23,10 @@ Draft vocabulary (`draft_loss(..., vocab=ids)`): q lives on K tokens, p stays th
 distribution (its log-normaliser over all V tokens is computed once per position, `target_lse`) and
 only its mass on those K tokens enters the losses -- so α = Σ_{v∈K} min(p, q) is still exactly the
 acceptance rate; `ce` supervises only labels inside the draft vocabulary.
+
+`mtp_loss(...)` is the loss over the MTP's parameters that the stages train (`mtp` before RL; the
+RL learner's MTP strategies, GrowMTP's being `dca`): it runs the frozen policy (its parameters an
+explicit argument, always under `stop_gradient`) and `mtp.train_hidden` on an `MTPBatch`.
 """
 
 from __future__ import annotations
@@ -31,6 +35,9 @@ import functools
 
 import jax
 import jax.numpy as jnp
+from flax import nnx, struct
+
+from bebop import mtp as mtp_lib
 
 NEG = -1e30
 
@@ -166,10 +173,10 @@ def _per_step_metrics(a_YxBxT, valid):
 
 
 def ce_loss(
-    draft, target, head, tokens, mask, chunk=8192, temperature=1.0, accept_len=None,
+    draft, target, head, tokens, mask, chunk=8192, temperature=1.0, cycle_len=None,
     target_lse=None,
 ):  # fmt: skip
-    del target, accept_len, target_lse
+    del target, cycle_len, target_lse
     hq, _, labels, valid, _ = _prepare(draft, draft[0], tokens, mask)
     w_chunks, v = _chunks(jax.lax.stop_gradient(head), chunk)
     lse = _lse(hq, w_chunks, v, temperature)
@@ -193,10 +200,10 @@ def _kl_terms(draft, target, head, tokens, mask, chunk, temperature, target_lse)
 
 
 def kl_loss(
-    draft, target, head, tokens, mask, chunk=8192, temperature=1.0, accept_len=None,
+    draft, target, head, tokens, mask, chunk=8192, temperature=1.0, cycle_len=None,
     target_lse=None,
 ):  # fmt: skip
-    del accept_len
+    del cycle_len
     kl_pq, _, a, valid = _kl_terms(
         draft, target, head, tokens, mask, chunk, temperature, target_lse
     )
@@ -204,10 +211,10 @@ def kl_loss(
 
 
 def reverse_kl_loss(
-    draft, target, head, tokens, mask, chunk=8192, temperature=1.0, accept_len=None,
+    draft, target, head, tokens, mask, chunk=8192, temperature=1.0, cycle_len=None,
     target_lse=None,
 ):  # fmt: skip
-    del accept_len
+    del cycle_len
     _, kl_qp, a, valid = _kl_terms(
         draft, target, head, tokens, mask, chunk, temperature, target_lse
     )
@@ -215,10 +222,10 @@ def reverse_kl_loss(
 
 
 def tv_loss(
-    draft, target, head, tokens, mask, chunk=8192, temperature=1.0, accept_len=None,
+    draft, target, head, tokens, mask, chunk=8192, temperature=1.0, cycle_len=None,
     target_lse=None,
 ):  # fmt: skip
-    del accept_len
+    del cycle_len
     a, valid = _alphas(_prepare(draft, target, tokens, mask, target_lse), head, chunk, temperature)
     return _masked_mean(1.0 - a, valid), _per_step_metrics(a, valid)
 
@@ -244,27 +251,27 @@ def _e2e_tv(draft, target, head, tokens, mask, chunk, temperature, target_lse, p
 
 
 def e2e_tv_loss(
-    draft, target, head, tokens, mask, chunk=8192, temperature=1.0, accept_len=None,
+    draft, target, head, tokens, mask, chunk=8192, temperature=1.0, cycle_len=None,
     target_lse=None,
 ):  # fmt: skip
-    del accept_len
+    del cycle_len
     return _e2e_tv(draft, target, head, tokens, mask, chunk, temperature, target_lse, False)
 
 
 def e2e_tv_partial_loss(
-    draft, target, head, tokens, mask, chunk=8192, temperature=1.0, accept_len=None,
+    draft, target, head, tokens, mask, chunk=8192, temperature=1.0, cycle_len=None,
     target_lse=None,
 ):  # fmt: skip
     """`e2e_tv` with chains cut at the end of the response instead of dropped: an anchor whose
     step 1 is supervised counts Π_{i≤j} α_i for its supervised steps j only (what it can accept
     before the sequence ends). `e2e_tv` drops every anchor within Y + 1 tokens of the end, so on
     short responses the last tokens are never a step-1 target."""
-    del accept_len
+    del cycle_len
     return _e2e_tv(draft, target, head, tokens, mask, chunk, temperature, target_lse, True)
 
 
 def dca_loss(
-    draft, target, head, tokens, mask, chunk=8192, temperature=1.0, accept_len=None,
+    draft, target, head, tokens, mask, chunk=8192, temperature=1.0, cycle_len=None,
     target_lse=None,
 ):  # fmt: skip
     """Terms are masked one by one, as in `e2e_tv_partial`: a chain is cut at its first
@@ -278,10 +285,10 @@ def dca_loss(
     prods = jnp.cumprod(a, axis=0) * jnp.cumprod(valid.astype(jnp.float32), axis=0)
     anchor_ok = valid[0]
     metrics = _per_step_metrics(a, valid)
-    if accept_len is not None:  # only anchors that seeded a verify cycle, gated by its outcome
-        gate = jnp.arange(1, a.shape[0] + 1)[:, None, None] <= accept_len[None]
+    if cycle_len is not None:  # only anchors that seeded a verify cycle, gated by its outcome
+        gate = jnp.arange(1, a.shape[0] + 1)[:, None, None] <= cycle_len[None]
         prods = jnp.where(gate, prods, 0.0)
-        anchor_ok = anchor_ok & (accept_len > 0)
+        anchor_ok = anchor_ok & (cycle_len > 0)
         metrics["gated_alpha_1"] = _masked_mean(a[0], anchor_ok)
     loss = -jnp.log(jnp.maximum(prods.sum(0), 1e-9))
     return _masked_mean(loss, anchor_ok), metrics
@@ -300,14 +307,14 @@ MTP_LOSSES = {
 
 def draft_loss(
     name, draft, target, head_DxV, tokens, mask, *, vocab=None, chunk=8192, temperature=1.0,
-    accept_len=None, target_lse=None,
+    cycle_len=None, target_lse=None,
 ):  # fmt: skip
     """The loss `name` of `MTP_LOSSES`, optionally for a draft restricted to the token ids
     `vocab` `[K]`: q over those K tokens, p the full-vocabulary target (see the module doc).
     `target_lse` `[B, T]`: the target's log-normaliser over the full vocabulary at `temperature`,
     when the caller has it cached (a frozen policy); else computed here."""
     fn = MTP_LOSSES[name]
-    kw = dict(chunk=chunk, temperature=temperature, accept_len=accept_len)
+    kw = dict(chunk=chunk, temperature=temperature, cycle_len=cycle_len)
     if vocab is None:
         return fn(draft, target, head_DxV, tokens, mask, target_lse=target_lse, **kw)
     head_DxV = jax.lax.stop_gradient(head_DxV)
@@ -333,3 +340,57 @@ def target_lse(target_BxTxD, head_DxV, chunk: int = 8192, temperature: float = 1
     b, t, d = target_BxTxD.shape
     hp_NxD = target_BxTxD.astype(jnp.float32).reshape(b * t, d)
     return _lse(hp_NxD, *_chunks(head_DxV, chunk), temperature).reshape(b, t)
+
+
+# ----------------------------------------------------------------------------- over parameters
+
+
+@struct.dataclass
+class MTPBatch:
+    """What an MTP loss reads. Optional arrays: `hidden` and `target_lse`, the frozen policy's
+    hiddens and log-normalisers when already computed (cached over the distill set, or recorded
+    by verification); `cycle_len`, the tokens emitted by the verify cycle anchored at each
+    position (0: none), which gates `dca`."""
+
+    tokens: jax.Array  # [B, T] int32
+    mask: jax.Array  # [B, T] float32: 1 where the token is supervised
+    hidden: jax.Array | None = None  # [B, T, D]
+    target_lse: jax.Array | None = None  # [B, T]
+    cycle_len: jax.Array | None = None  # [B, T] int32
+
+
+def mtp_loss(pol_gd, mtp_gd, loss_name: str, train_steps: int, chunk: int, temperature: float,
+             vocab=None):  # fmt: skip
+    """`loss_fn(mtp_params, batch: MTPBatch, rng, pol_params)` for `make_train_step` (the frozen
+    policy's parameters its extra argument); `vocab`: the draft vocabulary (None: full)."""
+    vocab = None if vocab is None else jnp.asarray(vocab, jnp.int32)
+
+    def fn(mtp_params, batch: MTPBatch, rng, pol_params):
+        del rng
+        pol_params = jax.lax.stop_gradient(pol_params)
+        policy = nnx.merge(pol_gd, pol_params)
+        tokens_BxT = batch.tokens
+        if batch.hidden is not None:  # precomputed (`mtp_train.policy_hiddens`, verification)
+            hidden_BxTxD = jax.lax.stop_gradient(batch.hidden)
+        else:
+            positions = jnp.broadcast_to(jnp.arange(tokens_BxT.shape[1]), tokens_BxT.shape)
+            hidden_BxTxD = jax.lax.stop_gradient(policy.hidden(tokens_BxT, positions)[0])
+        draft_YxBxTxD = mtp_lib.train_hidden(
+            mtp_gd, mtp_params, pol_gd, pol_params, tokens_BxT, hidden_BxTxD, train_steps
+        )
+        lse = batch.target_lse
+        return draft_loss(
+            loss_name,
+            draft_YxBxTxD,
+            policy.final_norm(hidden_BxTxD),
+            policy.head_matrix(),
+            tokens_BxT,
+            batch.mask,
+            vocab=vocab,
+            chunk=chunk,
+            temperature=max(temperature, 1e-3),
+            cycle_len=batch.cycle_len,
+            target_lse=None if lse is None else jax.lax.stop_gradient(lse),
+        )
+
+    return fn

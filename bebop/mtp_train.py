@@ -1,9 +1,10 @@
 """Stage `mtp`: train the MTP draft layer(s) once, before RL, on the policy's own samples.
 
 Backbone, embedding and head are frozen: the train state holds only the MTP parameters, the policy
-parameters ride in the batch (arguments, not compile-time constants) and every use of them is
-under `stop_gradient`. Each step: one policy forward for the hiddens -> `mtp.train_hidden` for
-`mtp.train_steps` recursive steps -> the loss named by `mtp.loss` (`mtp_losses.MTP_LOSSES`).
+parameters are the train step's explicit frozen argument (traced, not compile-time constants) and
+every use of them is under `stop_gradient`. Each step (`mtp_losses.mtp_loss`): one policy forward
+for the hiddens -> `mtp.train_hidden` for `mtp.train_steps` recursive steps -> the loss named by
+`mtp.loss` (`mtp_losses.MTP_LOSSES`).
 Every `mtp.eval_every` steps the real speculative sampler (γ = `mtp.eval_draft`, `rejection` and
 `target_only`) runs on held-out prompts and logs per-position acceptance, accept length, mean
 policy entropy and the analytic acceptance Σ min(p, q) of the drafted positions.
@@ -28,48 +29,17 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
-from bebop import distill, io, model, policies, prompts, sampling, sharding, speculative
-from bebop import mtp as mtp_lib
+from bebop import data, io, model, policies, prompts, rollout, sampling, sharding, speculative
 from bebop.config import RunConfig
-from bebop.fit import fit, restore_params
+from bebop.fit import fit
 from bebop.mtp import load_draft_vocab, select_draft_vocab  # noqa: F401 - re-exported
-from bebop.mtp_losses import draft_loss, target_lse
+from bebop.mtp_losses import MTPBatch, mtp_loss, target_lse
 from bebop.train import TrainState, make_optimizer, make_train_step, schedule
-
-
-def mtp_loss(
-    pol_gd, mtp_gd, loss_name: str, train_steps: int, chunk: int, temperature: float, vocab=None
-):  # fmt: skip
-    """`loss_fn(mtp_params, batch, rng)` for `make_train_step`; `vocab`: the draft vocabulary."""
-    vocab = None if vocab is None else jnp.asarray(vocab, jnp.int32)
-
-    def fn(mtp_params, batch, rng):
-        del rng
-        pol_params = jax.lax.stop_gradient(batch["policy"])
-        policy = nnx.merge(pol_gd, pol_params)
-        tokens_BxT = batch["tokens"]
-        if "hidden" in batch:  # precomputed by `policy_hiddens`
-            hidden_BxTxD = jax.lax.stop_gradient(batch["hidden"])
-        else:
-            positions = jnp.broadcast_to(jnp.arange(tokens_BxT.shape[1]), tokens_BxT.shape)
-            hidden_BxTxD = jax.lax.stop_gradient(policy.hidden(tokens_BxT, positions)[0])
-        draft_YxBxTxD = mtp_lib.train_hidden(
-            mtp_gd, mtp_params, pol_gd, pol_params, tokens_BxT, hidden_BxTxD, train_steps
-        )
-        lse = batch.get("target_lse")  # cached with the hiddens (`policy_hiddens`)
-        return draft_loss(
-            loss_name, draft_YxBxTxD, policy.final_norm(hidden_BxTxD), policy.head_matrix(),
-            tokens_BxT, batch["mask"], vocab=vocab, chunk=chunk,
-            temperature=max(temperature, 1e-3), accept_len=batch.get("accept_len"),
-            target_lse=None if lse is None else jax.lax.stop_gradient(lse),
-        )  # fmt: skip
-
-    return fn
 
 
 def evaluate(pol, mtp, tok, cfg: RunConfig, prompt_ids, num_draft: int, vocab=None) -> dict:
     """Real speculative rollouts on held-out prompts, both verification rules."""
-    scfg = distill.sampling_config(cfg, tok)
+    scfg = rollout.sampling_config(cfg, tok)
     toks, lens = sampling.pad_prompts(prompt_ids, tok.pad_id)
     res = {}
     for rule in ("rejection", "target_only"):
@@ -142,18 +112,6 @@ def cached_target(distill_dir: Path, pol_gd, pol_params, tokens_NxS, batch_size,
     return {"hidden": hid, "target_lse": lse}
 
 
-def init_mtp(cfg: RunConfig, pol_cfg, mesh, pol_params=None):
-    """(graphdef, params) of a fresh MTP (`mtp.init`: random, or the backbone's last layer, which
-    needs `pol_params`), or of `mtp.init_from`, on the mesh."""
-    graphdef, params = mtp_lib.init(pol_cfg, cfg.mtp.num_layers, cfg.seed + 100)
-    if cfg.mtp.init_from:
-        optimizer = make_optimizer(cfg.mtp.optim, cfg.mtp.steps)
-        params = restore_params(Path(cfg.mtp.init_from), params, optimizer, mesh)
-    elif cfg.mtp.init == "last_layer":
-        params = mtp_lib.init_from_last_layer(params, jax.device_get(pol_params))
-    return graphdef, sharding.place_state(params, mesh)
-
-
 def load_trained(cfg: RunConfig, workdir: Path, pol_cfg, mesh):
     """(graphdef, params) of the MTP trained by this run's `mtp` stage."""
     graphdef, params, _ = policies.load_mtp(cfg, Path(workdir) / "mtp" / "ckpt", pol_cfg, mesh)
@@ -178,12 +136,12 @@ def run(cfg: RunConfig, workdir: Path, mesh, stop_at_step: int | None = None) ->
     m = cfg.mtp
     pol_gd, pol_params, tok = policies.load(cfg, workdir, mesh)
     pol_cfg = model.graphdef_config(pol_gd, pol_params)
-    mtp_gd, mtp_params = init_mtp(cfg, pol_cfg, mesh, pol_params)
+    mtp_gd, mtp_params = policies.init_mtp(cfg, pol_cfg, mesh, pol_params)
     optimizer = make_optimizer(m.optim, m.steps)
     state = sharding.replicate_unplaced(
         TrainState.create(mtp_params, optimizer, cfg.seed + 101), mesh
     )
-    source = distill.DistillSource(Path(workdir) / "distill")
+    source = data.DistillSource(Path(workdir) / "distill")
     vocab = None
     if m.draft_vocab:
         vocab = select_draft_vocab(
@@ -201,9 +159,9 @@ def run(cfg: RunConfig, workdir: Path, mesh, stop_at_step: int | None = None) ->
 
     def train_step(state, batch):  # the warm-up loss for the first warmup_loss_steps steps
         name = m.warmup_loss if int(state.step) < m.warmup_loss_steps else m.loss
-        return steps[name](state, batch)
+        return steps[name](state, batch, pol_params)
 
-    it = iter(distill.dataset(Path(workdir) / "distill", m.batch_size, cfg.seed))
+    it = iter(data.distill_dataset(Path(workdir) / "distill", m.batch_size, cfg.seed))
     cached = {}
     if m.cache_hidden:  # the frozen target's hiddens and log-normalisers, computed once
         cached = cached_target(
@@ -211,8 +169,8 @@ def run(cfg: RunConfig, workdir: Path, mesh, stop_at_step: int | None = None) ->
         )
 
     def make_batch(b):
-        b = {**b, **{k: v[b["index"]] for k, v in cached.items()}}
-        return {**sharding.shard_batch(b, mesh), "policy": pol_params}
+        b = MTPBatch(b["tokens"], b["mask"], **{k: v[b["index"]] for k, v in cached.items()})
+        return sharding.shard_batch(b, mesh)
 
     seq_len = source.tokens.shape[1]
     # Held-out prompts of the distillation's own kind (the RL task), and optionally mixed chat.

@@ -1,23 +1,32 @@
-"""One entry point for the policy a stage runs on: the run's SFT checkpoint, a GGUF file, or a
-Hugging Face directory (`RunConfig.policy`). Returns (graphdef, params on the mesh, tokenizer)."""
+"""Loading what a stage runs on, without building any optimizer:
+
+- `load`: the policy (`RunConfig.policy`): this run's SFT checkpoint, a GGUF file, or a Hugging
+  Face directory. Returns (graphdef, params on the mesh, tokenizer).
+- `init_mtp`: a fresh MTP (random or from the backbone's last layer) or `mtp.init_from`;
+  `load_mtp`: a trained one from an `mtp` stage's checkpoints, with its draft vocabulary.
+- `load_rl`: the policy and MTP parameters of this run's `rl` checkpoints.
+"""
 
 from __future__ import annotations
 
 import json
 from pathlib import Path
 
+import jax
 from flax import nnx
 
-from bebop.config import RunConfig, check_vocab
+from bebop import model, sharding
+from bebop import mtp as mtp_lib
+from bebop.ckpt import restore_params, restore_partial
+from bebop.config import ModelConfig, RunConfig, check_vocab
 from bebop.tokenizer import BPETokenizer, CharTokenizer
 
 
 def load(cfg: RunConfig, workdir: Path, mesh):
     src = cfg.policy
-    if src.source == "sft":
-        from bebop import sft
-
-        graphdef, params = sft.load_policy(cfg, workdir, mesh)
+    if src.source == "sft":  # the demo policy trained by this run's `sft` stage
+        graphdef, abstract = model.abstract(cfg.model)
+        params = restore_params(Path(workdir) / "sft" / "ckpt", abstract, mesh)
         return graphdef, params, CharTokenizer()
     if src.source == "gguf":
         from bebop.checkpoints import gguf
@@ -40,18 +49,40 @@ def load(cfg: RunConfig, workdir: Path, mesh):
     return loaded.graphdef, loaded.params, tok
 
 
-def load_mtp(cfg: RunConfig, ckpt_dir: Path, pol_cfg, mesh):
+def abstract_mtp(pol_cfg: ModelConfig, num_layers: int):
+    """(graphdef, params as ShapeDtypeStructs) of an MTP, without allocating weights."""
+    return nnx.split(nnx.eval_shape(lambda: mtp_lib.MTP(pol_cfg, num_layers, nnx.Rngs(params=0))))
+
+
+def init_mtp(cfg: RunConfig, pol_cfg: ModelConfig, mesh, pol_params=None):
+    """(graphdef, params) of a fresh MTP (`mtp.init`: random, or the backbone's last layer, which
+    needs `pol_params`), or of `mtp.init_from`, on the mesh."""
+    graphdef, params = mtp_lib.init(pol_cfg, cfg.mtp.num_layers, cfg.seed + 100)
+    if cfg.mtp.init_from:
+        params = restore_params(Path(cfg.mtp.init_from), params, mesh)
+    elif cfg.mtp.init == "last_layer":
+        params = mtp_lib.init_from_last_layer(params, jax.device_get(pol_params))
+    return graphdef, sharding.place_state(params, mesh)
+
+
+def load_mtp(cfg: RunConfig, ckpt_dir: Path, pol_cfg: ModelConfig, mesh):
     """(graphdef, params on the mesh, draft vocabulary or None) of the MTP whose checkpoints are
     in `ckpt_dir` (an `mtp` stage's `DIR/mtp/ckpt`; its draft vocabulary sits next to it)."""
-    from bebop import mtp as mtp_lib
-    from bebop.fit import restore_params
-    from bebop.train import make_optimizer
-
     ckpt_dir = Path(ckpt_dir)
-    graphdef, abstract = nnx.split(
-        nnx.eval_shape(lambda: mtp_lib.MTP(pol_cfg, cfg.mtp.num_layers, nnx.Rngs(params=0)))
-    )
-    optimizer = make_optimizer(cfg.mtp.optim, cfg.mtp.steps)
-    params = restore_params(ckpt_dir, abstract, optimizer, mesh)
+    graphdef, abstract = abstract_mtp(pol_cfg, cfg.mtp.num_layers)
+    params = restore_params(ckpt_dir, abstract, mesh)
     vocab = mtp_lib.load_draft_vocab(ckpt_dir.parent, pol_cfg.vocab_size)
     return graphdef, params, vocab
+
+
+def load_rl(cfg: RunConfig, workdir: Path, mesh):
+    """(policy params, MTP params) from this run's `rl` checkpoints (for `policy.source=sft`,
+    whose architecture is `cfg.model`)."""
+    _, pol_abstract = model.abstract(cfg.model)
+    _, mtp_abstract = abstract_mtp(cfg.model, cfg.mtp.num_layers)
+    target = {
+        "policy": {"params": sharding.abstract_on_mesh(pol_abstract, mesh)},
+        "mtp": {"params": sharding.abstract_on_mesh(mtp_abstract, mesh)},
+    }
+    state = restore_partial(Path(workdir) / "rl" / "ckpt", target)
+    return state["policy"]["params"], state["mtp"]["params"]

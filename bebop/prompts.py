@@ -1,6 +1,6 @@
 """Prompt sets, generated in code (no downloads at run time).
 
-`task`: the run's task's prompts (`bebop/rl/rewards.py`: the demo's arithmetic, `wordmath`, ... or
+`task`: the run's task's prompts (`bebop/tasks.py`: the demo's arithmetic, `wordmath`, ... or
 a GSM8K-style file), one stream per use so that distillation, evaluation and RL never share
 prompts. `mixed`: real-text requests for a chat model such as SmolLM2, a third each of
 instructions, maths word problems and code requests, built from templates and word lists with a
@@ -11,8 +11,8 @@ from __future__ import annotations
 
 import numpy as np
 
+from bebop import tasks
 from bebop.config import RunConfig
-from bebop.rl import tasks
 
 STREAMS = {"distill": 11, "eval": 1_000_003, "rl": 23, "bench": 37}
 
@@ -26,8 +26,6 @@ _INSTRUCTIONS = ["Write a short poem about {t}.", "Explain {c} to a ten-year-old
                  "Give three tips for learning about {c}.", "Write a two-sentence story about {t}.",
                  "Summarize {c} in one paragraph.",
                  "List five words that describe {t}."]  # fmt: skip
-_NAMES = ["Ava", "Liam", "Maya", "Noah", "Zoe", "Omar", "Lena", "Ravi"]
-_ITEMS = ["apples", "marbles", "stickers", "books", "cookies", "pencils"]
 _MATHS = ["{n} has {a} {i} and buys {b} more. How many {i} does {n} have now?",
           "{n} had {a} {i} and gave away {b}. How many {i} are left?",
           "A box holds {a} {i}. How many {i} are in {b} boxes?",
@@ -48,18 +46,16 @@ def mixed_prompt(rng: np.random.Generator) -> str:
         return pick(_INSTRUCTIONS).format(t=pick(_TOPICS), c=pick(_CONCEPTS))
     a, b = int(rng.integers(2, 50)), int(rng.integers(2, 12))
     if kind == 1:
-        return pick(_MATHS).format(n=pick(_NAMES), i=pick(_ITEMS), a=a, b=b, p=a * b)
+        return pick(_MATHS).format(n=pick(tasks.NAMES), i=pick(tasks.ITEMS), a=a, b=b, p=a * b)
     return pick(_CODE).format(k=pick(_K), w=pick(_W), j=pick(_J), a=a)
 
 
 def prompt_ids(cfg: RunConfig, tok, n: int, stream: str, kind: str = "task") -> list[list[int]]:
     """`n` tokenized prompts of the given kind from one stream: `task` (the run's task, via
-    `rewards.make_task`: arithmetic, wordmath, countdown or a GSM8K-style file) or `mixed`."""
+    `tasks.make_task`: arithmetic, wordmath, countdown or a GSM8K-style file) or `mixed`."""
     seed = cfg.seed + STREAMS[stream]
     if kind == "task":
-        from bebop.rl import rewards  # rewards builds its prompts with this module
-
-        task = rewards.make_task(cfg.task)
+        task = tasks.make_task(cfg.task)
         return [task.prompt_ids(tok, task.problem(seed, i)) for i in range(n)]
     if kind != "mixed":
         raise ValueError(f"unknown prompt kind {kind!r} (task | mixed)")
@@ -80,10 +76,3 @@ def blend(cfg: RunConfig, tok, n: int, stream: str, kind: str, mixed_fraction: f
     is_mixed[order[:n_mixed]] = True
     it_main, it_mixed = iter(main), iter(mixed)
     return [next(it_mixed) if m else next(it_main) for m in is_mixed]
-
-
-def task_prompt_ids(tok, problem: tasks.Problem) -> list[int]:
-    """Char-level demo policies see the raw prompt; chat models get it as a user message."""
-    if hasattr(tok, "alphabet"):
-        return tok.encode(problem.prompt, bos=True)
-    return tok.chat([{"role": "user", "content": f"Compute {problem.prompt[:-1]}."}])

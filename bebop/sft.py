@@ -10,14 +10,11 @@ from __future__ import annotations
 
 from pathlib import Path
 
-import jax
 import jax.numpy as jnp
-import numpy as np
 
-from bebop import data, io, model, sampling, sharding
+from bebop import data, io, model, rollout, sharding, tasks
 from bebop.config import ConfigError, RunConfig
-from bebop.fit import Interrupted, fit, restore_params  # noqa: F401 - Interrupted: API
-from bebop.rl import tasks
+from bebop.fit import Interrupted, fit  # noqa: F401 - Interrupted: API
 from bebop.tokenizer import CharTokenizer
 from bebop.train import TrainState, make_optimizer, make_train_step, schedule
 from bebop.train import token_cross_entropy as xent
@@ -41,15 +38,11 @@ def check_model_matches_tokenizer(cfg: RunConfig, tok: CharTokenizer) -> None:
 
 
 def evaluate(graphdef, params, cfg: RunConfig, tok: CharTokenizer, n: int | None = None) -> dict:
-    """Greedy task accuracy on held-out problems."""
-    probs = data.eval_problems(cfg.task, cfg.seed, n or cfg.sft.eval_samples)
-    scfg = sampling.SamplingConfig(
-        temperature=0.0, max_new_tokens=cfg.sft.seq_len, eos_ids=tok.eos_ids, pad_id=tok.pad_id
-    )
-    prompts = [tok.encode(p.prompt, bos=True) for p in probs]
-    outs = sampling.generate(graphdef, params, prompts, jax.random.key(0), scfg)
-    rewards = [tasks.reward(tok.decode(o), p.answer) for o, p in zip(outs, probs, strict=True)]
-    return {"accuracy": float(np.mean(rewards)), "eval_samples": len(probs)}
+    """Greedy accuracy on held-out problems of the task SFT trains on (arithmetic)."""
+    n = n or cfg.sft.eval_samples
+    task = tasks.arithmetic(cfg.task)
+    acc = rollout.greedy_accuracy((graphdef, params), tok, task, cfg.seed, n, cfg.sft.seq_len)
+    return {"accuracy": acc, "eval_samples": n}
 
 
 def run(cfg: RunConfig, workdir: Path, mesh, stop_at_step: int | None = None) -> dict:
@@ -86,11 +79,3 @@ def run(cfg: RunConfig, workdir: Path, mesh, stop_at_step: int | None = None) ->
     }
     io.write_json_atomic(sdir / "summary.json", summary)
     return summary
-
-
-def load_policy(cfg: RunConfig, workdir: Path, mesh):
-    """(graphdef, params) of the trained SFT policy, for the stages after SFT."""
-    graphdef, abstract_params = model.abstract(cfg.model)
-    optimizer = make_optimizer(cfg.sft.optim, cfg.sft.steps)
-    params = restore_params(Path(workdir) / "sft" / "ckpt", abstract_params, optimizer, mesh)
-    return graphdef, params

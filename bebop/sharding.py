@@ -84,7 +84,8 @@ def spec_for(axes: tuple[str | None, ...], shape: tuple[int, ...], mesh: Mesh, r
     return PartitionSpec(*out)
 
 
-def _is_var(x) -> bool:
+def is_var(x) -> bool:
+    """`is_leaf` for trees of nnx Variables (an nnx.State): each Variable is one leaf."""
     return isinstance(x, nnx.Variable)
 
 
@@ -97,7 +98,7 @@ def state_shardings(state, mesh: Mesh, rules=RULES):
             return NamedSharding(mesh, PartitionSpec())
         return NamedSharding(mesh, spec_for(tuple(axes), np.shape(v.get_value()), mesh, rules))
 
-    return jax.tree.map(one, state, is_leaf=_is_var)
+    return jax.tree.map(one, state, is_leaf=is_var)
 
 
 def place_state(state, mesh: Mesh, rules=RULES):
@@ -107,7 +108,7 @@ def place_state(state, mesh: Mesh, rules=RULES):
         lambda v, s: v.replace(value=jax.device_put(v.get_value(), s)),
         state,
         shardings,
-        is_leaf=_is_var,
+        is_leaf=is_var,
     )
 
 
@@ -119,7 +120,7 @@ def abstract_on_mesh(abstract_state, mesh: Mesh, rules=RULES):
         x = v.get_value()
         return v.replace(value=jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=s))
 
-    return jax.tree.map(one, abstract_state, shardings, is_leaf=_is_var)
+    return jax.tree.map(one, abstract_state, shardings, is_leaf=is_var)
 
 
 def batch_sharding(mesh: Mesh, ndim: int, batch_size: int) -> NamedSharding:

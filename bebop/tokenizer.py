@@ -29,6 +29,7 @@ def render_chatml(messages: Sequence[dict], default_system: str | None, add_gene
 
 
 class CharTokenizer:
+    is_chat = False  # the demo policies see raw task prompts, no chat template
     pad_id, bos_id, eos_id = 0, 1, 2
     specials = ("<pad>", "<bos>", "<eos>")
 
@@ -62,6 +63,8 @@ class CharTokenizer:
 
 
 class BPETokenizer:
+    is_chat = True  # task prompts go in as a user message of the chat template
+
     def __init__(self, tok, bos_id: int | None, eos_ids: Sequence[int], pad_id: int,
                  default_system: str | None = None):  # fmt: skip
         self.tok = tok

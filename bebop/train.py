@@ -1,9 +1,10 @@
 """Training machinery shared by every stage: optimizer, train state, a pure jitted train step.
 
-`make_train_step(loss_fn, optimizer)` returns `train_step(state, batch) -> (state, metrics)`, jitted
-with the state donated. `loss_fn(params, batch, rng) -> (loss, aux_metrics)` is differentiated with
-respect to `params` only, so a stage trains exactly what it puts in `TrainState.params` (a filter,
-not a copy: frozen weights travel in the batch or a closure).
+`make_train_step(loss_fn, optimizer)` returns `train_step(state, batch, *frozen) -> (state,
+metrics)`, jitted with the state donated. `loss_fn(params, batch, rng, *frozen) -> (loss,
+aux_metrics)` is differentiated with respect to `params` only, so a stage trains exactly what it
+puts in `TrainState.params` (a filter, not a copy): frozen weights (the policy under an MTP, the KL
+reference) are the explicit extra arguments `frozen`, traced, never compile-time constants.
 
 Non-finite loss or gradient: the update is skipped (params and optimizer state unchanged), counted
 in `skips_total`, and `skips_in_row` grows; the driver stops the run after `max_nonfinite` in a row
@@ -80,9 +81,10 @@ def _select(ok, new, old):
 def make_train_step(
     loss_fn: Callable, optimizer: optax.GradientTransformation, donate: bool = True, jit=True
 ) -> Callable:
-    def train_step(state: TrainState, batch):
+    def train_step(state: TrainState, batch, *frozen):
         rng, key = jax.random.split(jax.random.wrap_key_data(state.rng))
-        (loss, aux), grads = jax.value_and_grad(loss_fn, has_aux=True)(state.params, batch, key)
+        grad_fn = jax.value_and_grad(loss_fn, has_aux=True)
+        (loss, aux), grads = grad_fn(state.params, batch, key, *frozen)
         grad_norm = optax.tree.norm(grads)
         ok = jnp.isfinite(loss) & jnp.isfinite(grad_norm)
         updates, opt_state = optimizer.update(grads, state.opt_state, state.params)

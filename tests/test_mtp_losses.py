@@ -103,25 +103,25 @@ def test_dca_trains_every_anchor_whose_gated_terms_are_inside_the_sequence():
     tokens = jnp.asarray(rng.integers(0, V, (1, t)), jnp.int32)
     mask = np.ones((1, t), np.float32)
     mask[:, :2] = 0.0  # a 2-token prompt
-    accept_len = np.zeros((1, t), np.int32)
-    accept_len[0, [0, 2, 4, 6, 8, 9, 10]] = [1, 1, 1, 1, 1, 3, 2]
+    cycle_len = np.zeros((1, t), np.int32)
+    cycle_len[0, [0, 2, 4, 6, 8, 9, 10]] = [1, 1, 1, 1, 1, 3, 2]
 
     @jax.jit
     def loss(d):
-        return L.dca_loss(d, target, head, tokens, mask, chunk=8, accept_len=accept_len)[0]
+        return L.dca_loss(d, target, head, tokens, mask, chunk=8, cycle_len=cycle_len)[0]
 
     @jax.jit
     def naive_gated(d):
         lq, lp, _, valid = _naive_parts(d, target, head, tokens, mask)
         alpha = jnp.minimum(jnp.exp(lp), jnp.exp(lq)).sum(-1)
-        gate = jnp.arange(1, y + 1)[:, None, None] <= accept_len[None]
+        gate = jnp.arange(1, y + 1)[:, None, None] <= cycle_len[None]
         prods = jnp.cumprod(alpha, 0) * jnp.cumprod(valid, 0) * gate
-        ok = valid[0] & (accept_len > 0)
+        ok = valid[0] & (cycle_len > 0)
         return _mean(-jnp.log(jnp.where(ok, prods.sum(0), 1.0)), ok)
 
     g = np.abs(np.asarray(jax.jit(jax.grad(loss))(draft)))[:, 0]  # [Y, T]
     for a in range(t):
-        m = int(accept_len[0, a])
+        m = int(cycle_len[0, a])
         inside = [s for s in range(y) if a + s + 2 < t and s < m]
         trained = [s for s in range(y) if g[s, a].max() > 0]
         assert trained == inside, (a, trained, inside)

@@ -12,11 +12,10 @@ from flax import nnx
 from bebop import distill, model, sampling, speculative
 from bebop import mtp as mtp_lib
 from bebop.config import OptimConfig
-from bebop.mtp_losses import MTP_LOSSES
+from bebop.mtp_losses import MTP_LOSSES, MTPBatch, mtp_loss
 from bebop.mtp_train import (
     cached_target,
     load_draft_vocab,
-    mtp_loss,
     patience_stop,
     policy_hiddens,
     select_draft_vocab,
@@ -31,23 +30,22 @@ def setup(tiny_cfg):
     pol_gd, pol_params = random_policy(tiny_cfg, 0)
     mtp_gd, mtp_params = mtp_lib.init(tiny_cfg, 2, seed=1)
     rng = np.random.default_rng(0)
-    batch = {
-        "tokens": jnp.asarray(rng.integers(0, tiny_cfg.vocab_size, (3, 12)), jnp.int32),
-        "mask": jnp.asarray((rng.random((3, 12)) < 0.8).astype(np.float32)),
-        "policy": pol_params,
-    }
-    return pol_gd, mtp_gd, mtp_params, batch
+    batch = MTPBatch(
+        tokens=jnp.asarray(rng.integers(0, tiny_cfg.vocab_size, (3, 12)), jnp.int32),
+        mask=jnp.asarray((rng.random((3, 12)) < 0.8).astype(np.float32)),
+    )
+    return pol_gd, mtp_gd, mtp_params, pol_params, batch
 
 
 @pytest.mark.parametrize("name", list(MTP_LOSSES))
 def test_no_gradient_reaches_the_policy(setup, name):
-    pol_gd, mtp_gd, mtp_params, batch = setup
+    pol_gd, mtp_gd, mtp_params, pol_params, batch = setup
     fn = mtp_loss(pol_gd, mtp_gd, name, train_steps=3, chunk=8, temperature=1.0)
 
     def loss(mp, pp):
-        return fn(mp, {**batch, "policy": pp}, None)[0]
+        return fn(mp, batch, None, pp)[0]
 
-    g_mtp, g_pol = jax.grad(loss, argnums=(0, 1))(mtp_params, batch["policy"])
+    g_mtp, g_pol = jax.grad(loss, argnums=(0, 1))(mtp_params, pol_params)
     assert all(float(jnp.abs(g).max()) == 0.0 for g in jax.tree.leaves(g_pol))
     assert max(float(jnp.abs(g).max()) for g in jax.tree.leaves(g_mtp)) > 0.0
 
@@ -77,10 +75,11 @@ def test_a_corrupt_draft_vocabulary_file_is_refused(tmp_path, bad):
 
 
 def test_draft_vocabulary_mtp_loss_trains_only_the_mtp(setup):
-    pol_gd, mtp_gd, mtp_params, batch = setup
+    pol_gd, mtp_gd, mtp_params, pol_params, batch = setup
     fn = mtp_loss(pol_gd, mtp_gd, "e2e_tv", 3, 4, 1.0, vocab=np.array([0, 2, 5, 7, 11]))
-    g_mtp, g_pol = jax.grad(lambda mp, pp: fn(mp, {**batch, "policy": pp}, None)[0],
-                            argnums=(0, 1))(mtp_params, batch["policy"])  # fmt: skip
+    g_mtp, g_pol = jax.grad(lambda mp, pp: fn(mp, batch, None, pp)[0], argnums=(0, 1))(
+        mtp_params, pol_params
+    )
     assert all(float(jnp.abs(g).max()) == 0.0 for g in jax.tree.leaves(g_pol))
     assert max(float(jnp.abs(g).max()) for g in jax.tree.leaves(g_mtp)) > 0.0
 
@@ -91,18 +90,18 @@ def test_draft_vocabulary_mtp_loss_trains_only_the_mtp(setup):
 def test_cached_hiddens_and_normalisers_give_the_same_loss_and_gradient(setup, vocab, temperature):
     """`mtp.cache_hidden`: hiddens and the target's full-vocabulary log-normalisers computed once
     (batches of 2, the last one padded) give the loss and gradient of computing them per step."""
-    pol_gd, mtp_gd, mtp_params, batch = setup
+    pol_gd, mtp_gd, mtp_params, pol_params, batch = setup
     fn = mtp_loss(pol_gd, mtp_gd, "e2e_tv", 3, 8, temperature, vocab=vocab)
-    tokens = np.asarray(batch["tokens"])
-    hiddens, lse = policy_hiddens(pol_gd, batch["policy"], tokens, 2, temperature)
+    tokens = np.asarray(batch.tokens)
+    hiddens, lse = policy_hiddens(pol_gd, pol_params, tokens, 2, temperature)
     assert hiddens.shape == (*tokens.shape, 32) and lse.shape == tokens.shape
     # the normaliser is the policy's own: log Σ_v exp(logits / T) over all 23 tokens
-    logits = model.forward(pol_gd, batch["policy"], tokens, np.broadcast_to(np.arange(12), (3, 12)))
+    logits = model.forward(pol_gd, pol_params, tokens, np.broadcast_to(np.arange(12), (3, 12)))
     want = jax.scipy.special.logsumexp(logits[0] / temperature, axis=-1)
     np.testing.assert_allclose(lse, want, atol=1e-5)
-    cached = {**batch, "hidden": hiddens, "target_lse": lse}
-    (l0, _), g0 = jax.value_and_grad(fn, has_aux=True)(mtp_params, batch, None)
-    (l1, _), g1 = jax.value_and_grad(fn, has_aux=True)(mtp_params, cached, None)
+    cached = batch.replace(hidden=hiddens, target_lse=lse)
+    (l0, _), g0 = jax.value_and_grad(fn, has_aux=True)(mtp_params, batch, None, pol_params)
+    (l1, _), g1 = jax.value_and_grad(fn, has_aux=True)(mtp_params, cached, None, pol_params)
     np.testing.assert_allclose(l0, l1, rtol=1e-5)
     for a, b in zip(jax.tree.leaves(g0), jax.tree.leaves(g1), strict=True):
         np.testing.assert_allclose(a, b, atol=1e-5)
@@ -111,8 +110,8 @@ def test_cached_hiddens_and_normalisers_give_the_same_loss_and_gradient(setup, v
 def test_cached_target_is_reused_only_for_the_same_tokens_policy_and_temperature(setup, tmp_path):
     """The on-disk target cache (`cached_target`) is read back for the same distill tokens, policy
     weights and T, and recomputed -- never reused -- when any of them changes."""
-    pol_gd, _, _, batch = setup
-    tokens, params = np.asarray(batch["tokens"]), batch["policy"]
+    pol_gd, _, _, params, batch = setup
+    tokens = np.asarray(batch.tokens)
     first = cached_target(tmp_path, pol_gd, params, tokens, 2, 1.0)
     again = cached_target(tmp_path, pol_gd, params, tokens, 2, 1.0)
     assert isinstance(again["hidden"], np.memmap)  # read from disk, not recomputed
@@ -200,15 +199,15 @@ def test_speculative_distillation_samples_the_policy_distribution(tiny_cfg):
 
 
 def test_backbone_is_bitwise_unchanged_by_mtp_training(setup):
-    pol_gd, mtp_gd, mtp_params, batch = setup
-    before = jax.tree.map(np.array, batch["policy"])
+    pol_gd, mtp_gd, mtp_params, pol_params, batch = setup
+    before = jax.tree.map(np.array, pol_params)
     opt = make_optimizer(OptimConfig(lr=1e-2, warmup_steps=0), 10)
     step = make_train_step(mtp_loss(pol_gd, mtp_gd, "e2e_tv", 3, 8, 1.0), opt)
     state = TrainState.create(mtp_params, opt, 0)
     start = jax.tree.map(np.array, state.params)
     for _ in range(3):
-        state, m = step(state, batch)
-    for a, b in zip(jax.tree.leaves(before), jax.tree.leaves(batch["policy"]), strict=True):
+        state, m = step(state, batch, pol_params)
+    for a, b in zip(jax.tree.leaves(before), jax.tree.leaves(pol_params), strict=True):
         np.testing.assert_array_equal(a, b)
     moved = [
         np.abs(a - np.asarray(b)).max()
@@ -231,5 +230,5 @@ def test_train_time_step_one_matches_decode_time_drafting(tiny_cfg):
     mtp = nnx.merge(mtp_gd, mtp_params)
     cache = mtp_lib.new_cache(cfg, 1, 2, 16)
     next_tokens = jnp.pad(tokens[:, 1:], ((0, 0), (0, 1)))
-    _, got_logits, _ = mtp_lib.extend(mtp, policy, 0, cache, hidden[:, :9], next_tokens[:, :9])
-    np.testing.assert_allclose(got_logits, want_logits[:, :9], atol=1e-5)
+    _, normed, _ = mtp_lib.extend(mtp, policy, 0, cache, hidden[:, :9], next_tokens[:, :9])
+    np.testing.assert_allclose(mtp_lib.logits(policy, normed), want_logits[:, :9], atol=1e-5)

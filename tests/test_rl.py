@@ -18,11 +18,12 @@ import pytest
 from flax import nnx
 
 from bebop import config as config_lib
-from bebop import model, mtp_train, sampling, sharding, speculative
+from bebop import model, mtp_train, policies, rollout, sampling, sharding, speculative, tasks
 from bebop import mtp as mtp_lib
 from bebop.config import MeshConfig, OptimConfig
 from bebop.metrics import read_jsonl
-from bebop.rl import grpo, loop, records, rewards, tasks
+from bebop.mtp_losses import mtp_loss
+from bebop.rl import grpo, learner, loop, records, rewards
 from bebop.rl import stage as rl_stage
 from bebop.speculative import ACCEPTED, REJECTED
 from bebop.tokenizer import CharTokenizer
@@ -52,7 +53,7 @@ def _batch(tiny_cfg, pol, shift=0.0):
     logp, _ = grpo.token_logprobs(*pol, tokens, T1)
     mask = jnp.zeros((4, 10)).at[:, 4:].set(1.0)
     adv = jnp.asarray([1.0, -1.0, 0.5, -0.5])
-    return {"tokens": tokens, "mask": mask, "behaviour_logp": logp + shift, "adv": adv}
+    return loop.LearnerBatch(tokens, mask, logp + shift, adv)
 
 
 def test_on_policy_ratio_is_exactly_one(tiny_cfg):
@@ -74,9 +75,9 @@ def test_clipped_objective_has_no_gradient_outside_the_clip_range(tiny_cfg):
 
     # ratio = e^{+1} ≈ 2.7 > 1.28 with A > 0 (and e^{-1} < 0.8 with A < 0): clipped, no gradient
     hi = _batch(tiny_cfg, pol, shift=-1.0)
-    hi["adv"] = jnp.abs(hi["adv"])
+    hi = hi.replace(adv=jnp.abs(hi.adv))
     lo = _batch(tiny_cfg, pol, shift=+1.0)
-    lo["adv"] = -jnp.abs(lo["adv"])
+    lo = lo.replace(adv=-jnp.abs(lo.adv))
     assert grad_norm(hi) == 0.0 and grad_norm(lo) == 0.0
     assert grad_norm(_batch(tiny_cfg, pol)) > 0.0  # inside the range it does move
 
@@ -95,7 +96,7 @@ def _sampled_batch(tiny_cfg, pol, scfg, adv):
         tokens[r, s : s + n] = out.tokens[r, :n]
         mask[r, s : s + n] = 1.0
         behaviour[r, s : s + n] = out.logprobs[r, :n]
-    return {"tokens": tokens, "mask": mask, "behaviour_logp": behaviour, "adv": np.asarray(adv)}
+    return loop.LearnerBatch(tokens, mask, behaviour, np.asarray(adv))
 
 
 TOP_P = sampling.SamplingConfig(top_p=0.5, max_new_tokens=8, eos_ids=(-1,))
@@ -140,16 +141,16 @@ def test_kl_term_is_zero_at_the_reference_and_trains_towards_it(tiny_cfg):
     ref = jax.jit(lambda p: perturb(p, 1, 0.1))(params)
     same = jax.tree.map(jnp.copy, params)  # the state's own buffers are donated
 
-    def loss(p, b, _):
-        return grpo.policy_loss(gd, p, b, 0.2, 0.28, 1.0, "token", TOP_P)
+    def loss(p, b, _, ref_params):
+        return grpo.policy_loss(gd, p, b, 0.2, 0.28, 1.0, "token", TOP_P, ref_params)
 
     opt = make_optimizer(OptimConfig(lr=3e-2, warmup_steps=0, schedule="constant"), 5)
     step = make_train_step(loss, opt)
-    state, m = step(TrainState.create(params, opt, 0), {**batch, "ref_policy": same})
+    state, m = step(TrainState.create(params, opt, 0), batch, same)
     assert float(m["kl"]) == 0.0 and float(m["loss"]) == 0.0
     kls = []
     for _ in range(5):
-        state, m = step(state, {**batch, "ref_policy": ref})
+        state, m = step(state, batch, ref)
         kls.append(float(m["kl"]))
     assert kls[0] > 1e-3 and kls[-1] < 0.5 * kls[0], kls
 
@@ -208,7 +209,7 @@ def test_failing_reward_function_fails_loudly():
         rewards.score(local, ["a"], [None], timeout_s=5, retries=0)
     np.testing.assert_array_equal(  # the pool still works after all that
         rewards.score(
-            rewards._arith_reward, [">3", ">4"], [tasks.Problem("1+2=", 3, "")] * 2, 5, 0
+            tasks.arithmetic_reward, [">3", ">4"], [tasks.Problem("1+2=", 3, "")] * 2, 5, 0
         ),
         [1.0, 0.0],
     )
@@ -265,30 +266,38 @@ def test_growmtp_target_is_the_behaviour_versions_distribution(tiny_cfg):
     mcfg = dataclasses.replace(tiny_cfg, vocab_size=tok.vocab_size, init_std=0.3)
     pol_gd, pol_params = _jit_init(lambda: model.Policy(mcfg, nnx.Rngs(params=0)))
     mtp_gd, mtp_params = _jit_init(lambda: mtp_lib.MTP(mcfg, 1, nnx.Rngs(params=1)))
-    rollouts = rl_stage.Rollouts(cfg, pol_gd, mtp_gd, tok, rewards.make_task(cfg.task), True)
+    record, keep_hidden = learner.rollout_records(cfg)
+    assert record and keep_hidden
+    rollouts = rollout.Rollouts(
+        cfg, pol_gd, mtp_gd, tok, tasks.make_task(cfg.task), record, keep_hidden=keep_hidden
+    )
     store = loop.WeightStore(keep=3)
     store.publish(0, pol_params, mtp_params, 0)
     batch = rollouts(0, 0, pol_params, mtp_params, 0)
     updated = jax.jit(lambda p: perturb(p, 2, 0.1))(pol_params)  # the learner's update
     store.publish(1, updated, mtp_params, 0)
-    fn = rl_stage.growmtp_loss(pol_gd, mtp_gd, cfg.rollout.num_draft, cfg.mtp.chunk, 1.0)
-    alpha1 = jax.jit(lambda mp, b: fn(mp, b, None)[1]["gated_alpha_1"])
-    mb = rl_stage.mtp_update_batch("growmtp", batch.data, updated, store, batch.policy_version)
-    got = float(alpha1(mtp_params, mb))
+    loss_name, steps = learner.mtp_objective(cfg)  # GrowMTP's loss: the `dca` entry
+    assert (loss_name, steps) == ("dca", cfg.rollout.num_draft)
+    fn = mtp_loss(pol_gd, mtp_gd, loss_name, steps, cfg.mtp.chunk, 1.0)
+    alpha1 = jax.jit(lambda mp, b, pp: fn(mp, b, None, pp)[1]["gated_alpha_1"])
+    mb, behaviour = learner.growmtp_update_inputs(store, batch.data, batch.policy_version)
+    got = float(alpha1(mtp_params, mb, behaviour))
     assert 0.02 < got < 0.98 and got == pytest.approx(batch.stats["analytic_alpha_1"], abs=1e-5)
-    assert abs(float(alpha1(mtp_params, {**batch.data, "policy": updated})) - got) > 1e-3
-    # online / joint with dca: the same gate under the name the MTP loss reads (`accept_len`);
+    assert abs(float(alpha1(mtp_params, mb, updated)) - got) > 1e-3
+    # online / joint with dca: the same gate under the name the MTP loss reads (`cycle_len`);
     # the behaviour policy recomputes its hiddens: the same α_1 (1e-4)
-    online = mtp_train.mtp_loss(pol_gd, mtp_gd, "dca", cfg.rollout.num_draft, cfg.mtp.chunk, 1.0)
-    ob = rl_stage.mtp_update_batch("online", batch.data, pol_params, store, 0)
-    got_online = jax.jit(lambda mp, b: online(mp, b, None)[1]["gated_alpha_1"])(mtp_params, ob)
-    assert "hidden" not in ob and float(got_online) == pytest.approx(got, abs=1e-4)
+    online = mtp_loss(pol_gd, mtp_gd, "dca", cfg.rollout.num_draft, cfg.mtp.chunk, 1.0)
+    ob, op = learner.online_update_inputs(batch.data, pol_params)
+    got_online = jax.jit(lambda mp, b, pp: online(mp, b, None, pp)[1]["gated_alpha_1"])(
+        mtp_params, ob, op
+    )
+    assert ob.hidden is None and float(got_online) == pytest.approx(got, abs=1e-4)
 
     # the MTP's run of skipped (non-finite) updates is checked like the policy's
     ok = SimpleNamespace(skips_in_row=0, step=7)
-    rl_stage.check_updates(ok, SimpleNamespace(skips_in_row=1, step=7), 2)
+    learner.check_updates(ok, SimpleNamespace(skips_in_row=1, step=7), 2)
     with pytest.raises(NonFiniteError, match="MTP updates: 2 consecutive"):
-        rl_stage.check_updates(ok, SimpleNamespace(skips_in_row=2, step=7), 2)
+        learner.check_updates(ok, SimpleNamespace(skips_in_row=2, step=7), 2)
 
 
 # ----------------------------------------------------------------------------- the RL stage
@@ -327,43 +336,38 @@ def _copy_pre(pretrained, dst):
     return dst
 
 
-def test_staleness_bound_and_step_records(pretrained, tmp_path, monkeypatch):
-    """6 steps with a slow learner and max_staleness 2, a KL penalty, evaluations every 2 steps:
-    the staleness bound is reached and never exceeded; each step's logged per-position acceptance
-    and accept-length histogram equal `speculative.summarize` of that step's rollout (captured
-    from the real sampler); the KL is exactly 0 at step 1 (policy = reference) and never makes
-    an update non-finite; lr, time split, reward spread and evaluations are logged;
-    `draft_tokens.bin` holds exactly the emitted drafts of 3 rows per step."""
-    real = rl_stage.make_train_step
+class Capturing(rollout.Rollouts):
+    """The real rollout source, keeping the speculative output the sampler returned for each
+    batch (`captured[i]`)."""
 
-    def slow_train_step(*a, **k):
-        fn = real(*a, **k)
+    captured: dict = {}
 
-        def wrapped(*args):
-            time.sleep(0.3)  # the worker races ahead as far as the bound allows
-            return fn(*args)
-
-        return wrapped
-
-    captured, real_call = {}, rl_stage.Rollouts.__call__
-
-    def call(self, i, *a):  # keeps the speculative output the real sampler returned
-        def sample(*args):
-            out = rl_stage.Rollouts.sample(self, *args)
-            captured[i] = out[1]
-            return out
-
-        self.sample = sample
+    def __call__(self, i, *a):
+        self._i = i
         try:
-            return real_call(self, i, *a)
+            return super().__call__(i, *a)
         finally:
-            del self.sample
+            self._i = None
 
-    monkeypatch.setattr(rl_stage, "make_train_step", slow_train_step)
-    monkeypatch.setattr(rl_stage.Rollouts, "__call__", call)
+    def sample(self, *args):
+        out = super().sample(*args)
+        if getattr(self, "_i", None) is not None:  # not the speed comparison's calls
+            self.captured[self._i] = out[1]
+        return out
+
+
+def test_staleness_bound_and_step_records(pretrained, tmp_path):
+    """6 steps with max_staleness 2, a KL penalty, evaluations every 2 steps: the staleness bound
+    is reached (the schedule is deterministic: batch i comes from version max(0, i - 2), whatever
+    the speeds) and never exceeded; each step's logged per-position acceptance and
+    accept-length histogram equal `speculative.summarize` of that step's rollout (captured from
+    the real sampler); the KL is exactly 0 at step 1 (policy = reference) and never makes an
+    update non-finite; lr, time split, reward spread and evaluations are logged;
+    `draft_tokens.bin` holds exactly the emitted drafts of 3 rows per step."""
+    captured = Capturing.captured = {}
     cfg = _rl_cfg("rl.max_staleness=2", "rl.steps=6", "rl.kl_coef=0.05", "rl.eval_every=2",
                   "rl.draft_log_rows=3")  # fmt: skip
-    summary = rl_stage.run(cfg, _copy_pre(pretrained, tmp_path), _mesh())
+    summary = rl_stage.run(cfg, _copy_pre(pretrained, tmp_path), _mesh(), make_rollouts=Capturing)
     recs = read_jsonl(tmp_path / "rl/metrics.jsonl")
     stale = [r["policy_version"] - 1 - r["batch_policy_version"] for r in recs]
     assert max(stale) == 2 and min(stale) >= 0  # the bound is reached and never exceeded
@@ -395,29 +399,27 @@ def test_staleness_bound_and_step_records(pretrained, tmp_path, monkeypatch):
         assert d["accepted"].sum() == (status == ACCEPTED).sum()
 
 
-def test_mtp_strategies_never_touch_the_policy(pretrained, tmp_path, monkeypatch):
+def test_mtp_strategies_never_touch_the_policy(pretrained, tmp_path):
     """Given the same rollouts (recorded once, replayed), the policy after 3 learner steps is
     bitwise identical with MTP strategies frozen, online and growmtp, while the MTP does move."""
     recorded = {}
-    real_init, real_call = rl_stage.Rollouts.__init__, rl_stage.Rollouts.__call__
 
-    def init(self, *a, record=False, **k):
-        real_init(self, *a, record=True, **k)  # hiddens + cycle lengths for growmtp replays
-        self.keep_hidden = True
+    class Replay(rollout.Rollouts):
+        def __init__(self, *a, record=False, keep_hidden=False, **k):
+            # hiddens + cycle lengths for growmtp replays
+            super().__init__(*a, record=True, keep_hidden=True, **k)
 
-    def call(self, i, *a):
-        if i not in recorded:
-            recorded[i] = real_call(self, i, *a)
-        return recorded[i]
+        def __call__(self, i, *a):
+            if i not in recorded:
+                recorded[i] = super().__call__(i, *a)
+            return recorded[i]
 
-    monkeypatch.setattr(rl_stage.Rollouts, "__init__", init)
-    monkeypatch.setattr(rl_stage.Rollouts, "__call__", call)
     finals = {}
     for strategy in ("frozen", "online", "growmtp"):
         cfg = _rl_cfg(f"rl.mtp_strategy='{strategy}'", "rl.max_staleness=0", "rl.steps=3")
         d = _copy_pre(pretrained, tmp_path / strategy)
-        rl_stage.run(cfg, d, _mesh())
-        finals[strategy] = rl_stage.load_trained(cfg, d, _mesh())
+        rl_stage.run(cfg, d, _mesh(), make_rollouts=Replay)
+        finals[strategy] = policies.load_rl(cfg, d, _mesh())
         versions = [r["mtp_version"] for r in read_jsonl(d / "rl/metrics.jsonl")]
         assert versions[-1] == (0 if strategy == "frozen" else 3)
     for strategy in ("online", "growmtp"):
@@ -484,16 +486,12 @@ def test_rl_kill_and_resume_continues_to_the_same_metrics(pretrained, tmp_path):
     assert sa["accuracy_after"] == sb["accuracy_after"]
 
 
-def test_a_failing_reward_fails_the_run(pretrained, tmp_path, monkeypatch):
-    real = rewards.make_task
-
-    def make_task(cfg):
-        t = real(cfg)
-        return rewards.Task(t.problem, t.prompt_ids, reward_fns.backend_down)
-
-    monkeypatch.setattr(rl_stage.rewards, "make_task", make_task)
+def test_a_failing_reward_fails_the_run(pretrained, tmp_path):
+    cfg = _rl_cfg()
+    t = tasks.make_task(cfg.task)
+    task = tasks.Task(t.problem, t.prompt_ids, reward_fns.backend_down)
     with pytest.raises(rewards.RewardError, match="reward backend down"):
-        rl_stage.run(_rl_cfg(), _copy_pre(pretrained, tmp_path), _mesh())
+        rl_stage.run(cfg, _copy_pre(pretrained, tmp_path), _mesh(), task=task)
 
 
 def test_rl_without_the_mtp_stage_loads_the_trained_draft_or_names_the_missing_one(
@@ -503,7 +501,7 @@ def test_rl_without_the_mtp_stage_loads_the_trained_draft_or_names_the_missing_o
     with no checkpoint the error names `DIR/mtp/ckpt`; GrowMTP and plain rollouts start fresh."""
     cfg = _rl_cfg("stages=('rl',)")
     mesh = _mesh()
-    pol_gd, pol_params = rl_stage.policies.load(cfg, pretrained, mesh)[:2]
+    pol_gd, pol_params = policies.load(cfg, pretrained, mesh)[:2]
     pol_cfg = model.graphdef_config(pol_gd, pol_params)
     _, got, vocab = rl_stage.load_draft_model(cfg, pretrained, pol_cfg, pol_params, mesh)
     want = mtp_train.load_trained(cfg, pretrained, pol_cfg, mesh)[1]

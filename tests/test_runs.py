@@ -22,12 +22,11 @@ from flax import nnx
 import launch
 from bebop import config as config_lib
 from bebop import io as bio
-from bebop import pipeline, sharding
+from bebop import pipeline, sharding, tasks
 from bebop.checkpoints import hf
-from bebop.ckpt import Checkpointer
-from bebop.fit import PREEMPTED, Preempted, fit, install_preemption_handler, restore_params
+from bebop.ckpt import Checkpointer, restore_params
+from bebop.fit import PREEMPTED, Preempted, fit, install_preemption_handler
 from bebop.metrics import MetricsWriter, read_jsonl
-from bebop.rl import tasks
 from bebop.train import (
     DivergenceError,
     DivergenceGuard,
@@ -92,7 +91,7 @@ def ckpt_steps(stage_dir):
 def restored_w(stage_dir):
     _, abstract = nnx.split(nnx.eval_shape(Toy))
     mesh = sharding.make_mesh(config_lib.MeshConfig(data=1), jax.devices()[:1])
-    return np.asarray(jax.tree.leaves(restore_params(stage_dir / "ckpt", abstract, SGD, mesh))[0])
+    return np.asarray(jax.tree.leaves(restore_params(stage_dir / "ckpt", abstract, mesh))[0])
 
 
 # ----------------------------------------------------------------------------- item 1: guards

@@ -183,12 +183,8 @@ class ArraySource:
 # ----------------------------------------------------------------------------- import
 
 
-def _is_var(x):
-    return isinstance(x, nnx.Variable)
-
-
 def _paths(state):
-    leaves, _ = jax.tree_util.tree_flatten_with_path(state, is_leaf=_is_var)
+    leaves, _ = jax.tree_util.tree_flatten_with_path(state, is_leaf=sharding.is_var)
     for path, var in leaves:
         yield ".".join(str(getattr(k, "key", getattr(k, "name", k))) for k in path), var
 
@@ -238,7 +234,7 @@ def _fill(abstract_state, mesh, source, name_of, used: set, dtype):
 
 
 def _assign(abstract_state, arrays: dict):
-    leaves, treedef = jax.tree_util.tree_flatten_with_path(abstract_state, is_leaf=_is_var)
+    leaves, treedef = jax.tree_util.tree_flatten_with_path(abstract_state, is_leaf=sharding.is_var)
     new = []
     for path, var in leaves:
         key = ".".join(str(getattr(k, "key", getattr(k, "name", k))) for k in path)

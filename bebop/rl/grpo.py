@@ -79,27 +79,36 @@ def k3_kl(logits_BxTxV, ref_logits_BxTxV, tokens_BxS, scfg: SamplingConfig):
     return jnp.maximum(jnp.expm1(d) - d, 0.0)  # expm1 and the floor: no float32 round-off < 0
 
 
-def policy_loss(graphdef, params, batch, clip_low, clip_high, kl_coef, agg, scfg: SamplingConfig):
-    """batch: tokens [B, S], mask [B, S] (1 on response tokens), behaviour_logp [B, S] (aligned
-    with tokens), adv [B]; with kl_coef > 0 also `ref_policy`: the reference policy's params.
-    `scfg`: the rollout sampler's config (its support defines the log-probs)."""
-    logits = _logits(graphdef, params, batch["tokens"])
-    logp, ent = _token_stats(logits, batch["tokens"], scfg)
-    mask = batch["mask"]
-    ratio = jnp.exp(logp - batch["behaviour_logp"])
-    adv = batch["adv"][:, None]
+def policy_loss(
+    graphdef,
+    params,
+    batch,
+    clip_low,
+    clip_high,
+    kl_coef,
+    agg,
+    scfg: SamplingConfig,
+    ref_params=None,
+):
+    """`batch`: a `loop.LearnerBatch` (tokens [B, S], mask [B, S] 1 on response tokens,
+    behaviour_logp [B, S] aligned with tokens, adv [B]). `scfg`: the rollout sampler's config (its
+    support defines the log-probs). With kl_coef > 0, `ref_params`: the reference policy."""
+    tokens = batch.tokens
+    logits = _logits(graphdef, params, tokens)
+    logp, ent = _token_stats(logits, tokens, scfg)
+    mask = batch.mask
+    ratio = jnp.exp(logp - batch.behaviour_logp)
+    adv = batch.adv[:, None]
     clipped = jnp.clip(ratio, 1.0 - clip_low, 1.0 + clip_high)
     obj = jnp.minimum(ratio * adv, clipped * adv)
     per_tok = -obj
     n = jnp.maximum(mask.sum(), 1.0)
     metrics = {}
     if kl_coef > 0:
-        if "ref_policy" not in batch:
-            raise ValueError(
-                "rl.kl_coef > 0: the learner batch needs 'ref_policy' (reference params)"
-            )
-        ref_logits = jax.lax.stop_gradient(_logits(graphdef, batch["ref_policy"], batch["tokens"]))
-        kl = k3_kl(logits, ref_logits, batch["tokens"], scfg)
+        if ref_params is None:
+            raise ValueError("rl.kl_coef > 0: the GRPO loss needs the reference policy's params")
+        ref_logits = jax.lax.stop_gradient(_logits(graphdef, ref_params, tokens))
+        kl = k3_kl(logits, ref_logits, tokens, scfg)
         per_tok = per_tok + kl_coef * kl
         metrics["kl"] = (kl * mask).sum() / n
     if agg == "token":

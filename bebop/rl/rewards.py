@@ -1,5 +1,5 @@
-"""Tasks behind one interface (problem i of a stream, its prompt ids, the reward of a completion)
-and reward scoring in worker processes with a time bound and loud failures.
+"""Reward scoring in worker processes with a time bound and loud failures (the tasks and their
+reward functions: `bebop/tasks.py`).
 
 Reward code parses text; it never evaluates model output as code. Completions are truncated
 (tasks.py caps lengths) and every batch of reward calls has a wall-clock bound, `timeout_s`
@@ -16,93 +16,18 @@ boundary, so they must be picklable: module-level functions and plain dataclasse
 from __future__ import annotations
 
 import atexit
-import dataclasses
 import logging
 import multiprocessing
 import os
 import threading
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 
 import numpy as np
-
-from bebop import prompts
-from bebop.config import TaskConfig
-from bebop.rl import tasks
 
 
 class RewardError(RuntimeError):
     pass
-
-
-@dataclasses.dataclass(frozen=True)
-class Task:
-    problem: Callable[[int, int], object]  # (seed, index) -> problem
-    prompt_ids: Callable[[object, object], list[int]]  # (tokenizer, problem) -> ids
-    reward: Callable[[str, object], float]  # (completion text, problem) -> reward
-
-
-def _arith_reward(text: str, p: tasks.Problem) -> float:
-    return tasks.reward(text, p.answer)
-
-
-def _arith(cfg: TaskConfig) -> Task:
-    return Task(
-        problem=lambda seed, i: tasks.problem_at(cfg, seed, i),
-        prompt_ids=prompts.task_prompt_ids,
-        reward=_arith_reward,
-    )
-
-
-def _countdown(cfg: TaskConfig) -> Task:
-    def prompt_ids(tok, p):
-        if hasattr(tok, "alphabet"):
-            return tok.encode(p.prompt, bos=True)
-        nums = ", ".join(map(str, p.numbers))
-        msg = f"Using the numbers {nums} (each at most once) and + - * /, write an expression " \
-              f"equal to {p.target}. End with '>' followed by the expression."  # fmt: skip
-        return tok.chat([{"role": "user", "content": msg}])
-
-    return Task(
-        problem=lambda seed, i: tasks.make_countdown(
-            np.random.default_rng([seed, i]), cfg.digits + 1
-        ),
-        prompt_ids=prompt_ids,
-        reward=tasks.countdown_reward,
-    )
-
-
-def _gsm8k(cfg: TaskConfig) -> Task:
-    probs = tasks.load_gsm8k_jsonl(cfg.path)
-    if not probs:
-        raise ValueError(f"task.path={cfg.path}: no problems")
-
-    def prompt_ids(tok, p):
-        msg = f"{p.question}\nSolve step by step and end with '#### <number>'."
-        return tok.chat([{"role": "user", "content": msg}])
-
-    return Task(
-        lambda seed, i: probs[(seed * 7919 + i) % len(probs)], prompt_ids, tasks.gsm8k_reward
-    )
-
-
-def _wordmath(cfg: TaskConfig) -> Task:
-    def prompt_ids(tok, p):
-        msg = f"{p.question}\nAnswer with the final number after '####'."
-        return tok.chat([{"role": "user", "content": msg}])
-
-    return Task(
-        lambda seed, i: tasks.make_word_problem(np.random.default_rng([seed, i]), cfg.digits),
-        prompt_ids,
-        tasks.gsm8k_reward,
-    )
-
-
-TASKS = {"arithmetic": _arith, "countdown": _countdown, "gsm8k": _gsm8k, "wordmath": _wordmath}
-
-
-def make_task(cfg: TaskConfig) -> Task:
-    return TASKS[cfg.name](cfg)
 
 
 def _call(reward_fn, text, problem) -> float:  # runs in a worker process

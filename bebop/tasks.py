@@ -1,4 +1,5 @@
-"""Verifiable tasks generated in code.
+"""Verifiable tasks generated in code, behind one interface (`Task`: problem i of a stream, its
+prompt ids for a tokenizer, the reward of a completion), by name in `TASKS`.
 
 `arithmetic`: add two integers of 1..`digits` digits. The worked solution goes column by column
 from the right, `a_i+b_i+carry=sum`, then `>` and the final answer:
@@ -7,17 +8,27 @@ from the right, `a_i+b_i+carry=sum`, then `>` and the final answer:
 
 The reward checks only the integer after the last `>` against the true sum (exact match). The
 SFT data corrupts the final answer of a `noise` fraction of examples so that the supervised
-policy is good but not perfect and RL has room to improve it.
+policy is good but not perfect and RL has room to improve it. `countdown`: reach a target with
++ - * / over given numbers. `gsm8k`: a GSM8K-style JSONL file. `wordmath`: one-step maths word
+problems for chat models.
+
+Reward code parses text; it never evaluates model output as code, and completions are truncated
+before parsing. Rewards run in worker processes (`bebop/rl/rewards.py`), so reward functions are
+module-level functions and problems plain dataclasses (picklable).
 """
 
 from __future__ import annotations
 
 import dataclasses
+import json
 import re
+from collections.abc import Callable
+from pathlib import Path
 
 import numpy as np
 
 from bebop.config import TaskConfig
+from bebop.io import DamagedFileError
 
 
 @dataclasses.dataclass(frozen=True)
@@ -189,11 +200,6 @@ def load_gsm8k_jsonl(path) -> list[WordProblem]:
     UTF-8, a leading byte-order mark allowed. Records are split on newlines only (JSON strings
     may hold other Unicode line breaks), so a bad record's reported line number is the line an
     editor shows. Every problem raises `DamagedFileError` naming the file and line."""
-    import json
-    from pathlib import Path
-
-    from bebop.io import DamagedFileError
-
     raw = Path(path).read_bytes()
     out = []
     for i, line_bytes in enumerate(raw.split(b"\n")):
@@ -248,13 +254,15 @@ def gsm8k_reward(text: str, problem: WordProblem) -> float:
 
 # ----------------------------------------------------------------------------- word problems
 
+# Also used by `prompts.mixed_prompt`.
+NAMES = ["Ava", "Liam", "Maya", "Noah", "Zoe", "Omar", "Lena", "Ravi"]
+ITEMS = ["apples", "marbles", "stickers", "books", "cookies", "pencils"]
+
 
 def make_word_problem(rng: np.random.Generator, digits: int) -> WordProblem:
     """A one-step maths word problem with its numeric answer (for chat models)."""
-    from bebop import prompts
-
-    name = prompts._NAMES[rng.integers(len(prompts._NAMES))]
-    item = prompts._ITEMS[rng.integers(len(prompts._ITEMS))]
+    name = NAMES[rng.integers(len(NAMES))]
+    item = ITEMS[rng.integers(len(ITEMS))]
     a, b = int(rng.integers(2, 10**digits)), int(rng.integers(2, 10 ** max(1, digits - 1)))
     kind = rng.integers(3)
     if kind == 0:
@@ -263,3 +271,81 @@ def make_word_problem(rng: np.random.Generator, digits: int) -> WordProblem:
         a += b
         return WordProblem(f"{name} had {a} {item} and gave away {b}. How many are left?", a - b)
     return WordProblem(f"A box holds {a} {item}. How many {item} are in {b} boxes?", a * b)
+
+
+# ----------------------------------------------------------------------------- tasks by name
+
+
+@dataclasses.dataclass(frozen=True)
+class Task:
+    problem: Callable[[int, int], object]  # (seed, index) -> problem
+    prompt_ids: Callable[[object, object], list[int]]  # (tokenizer, problem) -> ids
+    reward: Callable[[str, object], float]  # (completion text, problem) -> reward
+
+
+def arithmetic_prompt_ids(tok, problem: Problem) -> list[int]:
+    """Char-level demo policies see the raw prompt; chat models get it as a user message."""
+    if not tok.is_chat:
+        return tok.encode(problem.prompt, bos=True)
+    return tok.chat([{"role": "user", "content": f"Compute {problem.prompt[:-1]}."}])
+
+
+def arithmetic_reward(text: str, problem: Problem) -> float:
+    return reward(text, problem.answer)
+
+
+def arithmetic(cfg: TaskConfig) -> Task:
+    return Task(lambda seed, i: problem_at(cfg, seed, i), arithmetic_prompt_ids, arithmetic_reward)
+
+
+def countdown_prompt_ids(tok, p: CountdownProblem) -> list[int]:
+    if not tok.is_chat:
+        return tok.encode(p.prompt, bos=True)
+    nums = ", ".join(map(str, p.numbers))
+    msg = (
+        f"Using the numbers {nums} (each at most once) and + - * /, write an expression "
+        f"equal to {p.target}. End with '>' followed by the expression."
+    )
+    return tok.chat([{"role": "user", "content": msg}])
+
+
+def countdown(cfg: TaskConfig) -> Task:
+    return Task(
+        lambda seed, i: make_countdown(np.random.default_rng([seed, i]), cfg.digits + 1),
+        countdown_prompt_ids,
+        countdown_reward,
+    )
+
+
+def gsm8k_prompt_ids(tok, p: WordProblem) -> list[int]:
+    msg = f"{p.question}\nSolve step by step and end with '#### <number>'."
+    return tok.chat([{"role": "user", "content": msg}])
+
+
+def gsm8k(cfg: TaskConfig) -> Task:
+    probs = load_gsm8k_jsonl(cfg.path)
+    if not probs:
+        raise ValueError(f"task.path={cfg.path}: no problems")
+    return Task(
+        lambda seed, i: probs[(seed * 7919 + i) % len(probs)], gsm8k_prompt_ids, gsm8k_reward
+    )
+
+
+def wordmath_prompt_ids(tok, p: WordProblem) -> list[int]:
+    msg = f"{p.question}\nAnswer with the final number after '####'."
+    return tok.chat([{"role": "user", "content": msg}])
+
+
+def wordmath(cfg: TaskConfig) -> Task:
+    return Task(
+        lambda seed, i: make_word_problem(np.random.default_rng([seed, i]), cfg.digits),
+        wordmath_prompt_ids,
+        gsm8k_reward,
+    )
+
+
+TASKS = {"arithmetic": arithmetic, "countdown": countdown, "gsm8k": gsm8k, "wordmath": wordmath}
+
+
+def make_task(cfg: TaskConfig) -> Task:
+    return TASKS[cfg.name](cfg)

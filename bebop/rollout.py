@@ -1,0 +1,180 @@
+"""Rollouts as the stages use them: the rollout sampling config, greedy task accuracy, the RL
+rollout source (`Rollouts`: prompts of batch i -> sampler -> rewards -> a `LearnerBatch`) and the
+plain-vs-speculative speed comparison.
+
+Problems come from one stream per use (`prompts.STREAMS`): `eval` for greedy accuracy (the same
+problems before, during and after RL), `rl` for the RL batches.
+"""
+
+from __future__ import annotations
+
+import functools
+import time
+
+import jax
+import numpy as np
+
+from bebop import prompts, sampling, speculative, tasks
+from bebop.config import RLConfig, RunConfig
+from bebop.metrics import Timer
+from bebop.rl import grpo, loop, records, rewards
+
+
+def sampling_config(cfg: RunConfig, tok, max_new_tokens: int | None = None):
+    """The rollout sampler's config (`cfg.rollout`): RL, distillation, MTP evaluation."""
+    r = cfg.rollout
+    return sampling.SamplingConfig(
+        temperature=r.temperature,
+        top_p=r.top_p,
+        top_k=r.top_k,
+        max_new_tokens=max_new_tokens or r.max_new_tokens,
+        eos_ids=tuple(tok.eos_ids),
+        pad_id=tok.pad_id,
+    )
+
+
+def in_process_score(reward_fn, texts, problems) -> list[float]:
+    return [float(reward_fn(t, p)) for t, p in zip(texts, problems, strict=True)]
+
+
+def reward_scorer(rl: RLConfig):
+    """`score(reward_fn, texts, problems)`: rewards in worker processes, with the run's time
+    bound, retries and timeout action (`bebop/rl/rewards.py`)."""
+    return functools.partial(
+        rewards.score,
+        timeout_s=rl.reward_timeout_s,
+        retries=rl.reward_retries,
+        on_timeout=rl.reward_timeout_action,
+    )
+
+
+def greedy_accuracy(
+    pol, tok, task: tasks.Task, seed: int, n: int, max_new_tokens: int, score=in_process_score
+) -> float:
+    """Mean reward of greedy completions of the first `n` problems of the `eval` stream.
+    `pol` = (graphdef, params); `score(reward_fn, texts, problems)` computes the rewards."""
+    probs = [task.problem(seed + prompts.STREAMS["eval"], i) for i in range(n)]
+    ids = [task.prompt_ids(tok, p) for p in probs]
+    scfg = sampling.SamplingConfig(
+        temperature=0.0,
+        max_new_tokens=max_new_tokens,
+        eos_ids=tuple(tok.eos_ids),
+        pad_id=tok.pad_id,
+    )
+    outs = sampling.generate(*pol, ids, jax.random.key(0), scfg)
+    texts = [tok.decode(o) for o in outs]
+    return float(np.mean(score(task.reward, texts, probs)))
+
+
+class Rollouts:
+    """The RL rollout source: batch i's prompts, the sampler (plain or speculative), rewards,
+    advantages and the learner's arrays (`loop.LearnerBatch`). `record`: also each verify
+    cycle's length (`cycle_len`, by anchor position); `keep_hidden`: and the backbone hiddens
+    verification computed (`hidden`, for GrowMTP). Called by the rollout worker as
+    `rollouts(i, policy_version, pol_params, mtp_params, mtp_version)`."""
+
+    def __init__(
+        self, cfg: RunConfig, pol_gd, mtp_gd, tok, task, record=False, vocab=None, keep_hidden=False
+    ):
+        self.cfg, self.pol_gd, self.mtp_gd, self.tok, self.task = cfg, pol_gd, mtp_gd, tok, task
+        self.vocab = vocab  # the MTP's draft vocabulary (None: full)
+        self.keep_hidden = record and keep_hidden
+        self.scfg = sampling_config(cfg, tok)
+        self.score = reward_scorer(cfg.rl)
+        r = cfg.rollout
+        self.spec = None
+        if r.mode != "plain":
+            self.spec = speculative.SpecConfig(r.num_draft, r.mode, record=record)
+
+    def prompts(self, i: int):
+        p, g = self.cfg.rl.prompts_per_step, self.cfg.rl.group_size
+        problems = [
+            self.task.problem(self.cfg.seed + prompts.STREAMS["rl"], i * p + j) for j in range(p)
+        ]
+        ids = [self.task.prompt_ids(self.tok, q) for q in problems for _ in range(g)]
+        return [q for q in problems for _ in range(g)], ids
+
+    def sample(self, pol_params, mtp_params, toks, lens, key, spec):
+        """`spec=None`: the plain sampler. Returns (SampleOutput, SpecOutput or None)."""
+        if spec is None:
+            return sampling.sample_jit(self.pol_gd, pol_params, toks, lens, key, self.scfg), None
+        out = speculative.sample_jit(
+            self.pol_gd,
+            pol_params,
+            self.mtp_gd,
+            mtp_params,
+            toks,
+            lens,
+            key,
+            self.scfg,
+            spec,
+            self.vocab,
+        )
+        return out.sample, out
+
+    def __call__(self, i, version, pol_params, mtp_params, mtp_version) -> loop.RolloutBatch:
+        cfg, timer = self.cfg, Timer()
+        problems, ids = self.prompts(i)
+        toks, lens = sampling.pad_prompts(ids, self.tok.pad_id)
+        with timer("rollout_s"):
+            key = jax.random.fold_in(jax.random.key(cfg.seed + 5), i)
+            sample, spec_out = jax.device_get(
+                self.sample(pol_params, mtp_params, toks, lens, key, self.spec)
+            )
+        with timer("reward_s"):
+            texts = [
+                self.tok.decode(row[:n])
+                for row, n in zip(sample.tokens, sample.lengths, strict=True)
+            ]
+            r = self.score(self.task.reward, texts, problems)
+        adv = grpo.advantages(r.reshape(-1, cfg.rl.group_size), cfg.rl.std_norm).reshape(-1)
+        b, p = toks.shape
+        width = p + self.scfg.max_new_tokens
+        tokens = np.full((b, width), self.tok.pad_id, np.int32)
+        mask = np.zeros((b, width), np.float32)
+        behaviour = np.zeros((b, width), np.float32)
+        tokens[:, :p] = toks
+        for row in range(b):
+            s, n = int(lens[row]), int(sample.lengths[row])
+            tokens[row, s : s + n] = sample.tokens[row, :n]
+            mask[row, s : s + n] = 1.0
+            behaviour[row, s : s + n] = sample.logprobs[row, :n]
+        data = loop.LearnerBatch(tokens, mask, behaviour, adv)
+        stats = records.rollout_stats(r, cfg.rl.group_size, sample, spec_out)
+        drafts = None
+        if spec_out is not None:
+            if cfg.rl.draft_log_rows:
+                rows = records.sample_rows(cfg.seed, i, b, cfg.rl.draft_log_rows)
+                drafts = records.draft_token_records(spec_out, rows, step=i + 1)
+            if spec_out.cycle_len is not None:
+                data = data.replace(cycle_len=np.asarray(spec_out.cycle_len)[:, :width])
+            if self.keep_hidden:
+                data = data.replace(hidden=np.asarray(spec_out.hidden)[:, :width])
+        return loop.RolloutBatch(i, version, mtp_version, data, stats, timer.totals, drafts)
+
+
+def _timed_rollout(rollouts: Rollouts, pol, mtp, toks, lens, spec, repeats: int) -> tuple:
+    best, tokens = float("inf"), 0
+    for rep in range(repeats + 1):  # the first call compiles
+        t0 = time.perf_counter()
+        out, spec_out = rollouts.sample(pol, mtp, toks, lens, jax.random.key(100 + rep), spec)
+        assert (spec_out is None) == (spec is None), "timed the wrong sampler"
+        lengths = np.asarray(jax.device_get(out.lengths))
+        if rep:
+            best, tokens = min(best, time.perf_counter() - t0), int(lengths.sum())
+    return tokens / best, best
+
+
+def rollout_speedup(rollouts: Rollouts, pol, mtp, cfg: RunConfig) -> dict:
+    """Plain vs speculative sampler on the same prompts (one RL batch), same run, timed after
+    compilation; best of `rl.speedup_repeats`."""
+    _, ids = rollouts.prompts(10_000)
+    toks, lens = sampling.pad_prompts(ids, rollouts.tok.pad_id)
+    repeats = cfg.rl.speedup_repeats
+    plain_tps, plain_s = _timed_rollout(rollouts, pol, mtp, toks, lens, None, repeats)
+    res = {"plain_tok_s": plain_tps, "plain_s": plain_s, "batch": len(ids)}
+    if rollouts.spec is not None:
+        spec = speculative.SpecConfig(cfg.rollout.num_draft, cfg.rollout.mode)
+        spec_tps, spec_s = _timed_rollout(rollouts, pol, mtp, toks, lens, spec, repeats)
+        res.update({"spec_tok_s": spec_tps, "spec_s": spec_s, "speedup": spec_tps / plain_tps})
+    return res
