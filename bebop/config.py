@@ -1,10 +1,11 @@
 """Typed, validated run configuration.
 
-Config files (`configs/*.py`) build an `ml_collections.ConfigDict` with `get_config(arg)`. This
-module is the only library code that sees a ConfigDict: `load()` applies the sweep entry and the
-command-line overrides to it, then converts it once into the frozen dataclasses below. Every
-library function takes those dataclasses. An unknown key or an out-of-range value raises
-`ConfigError` naming the key.
+Config files (`configs/*.py`) build an `ml_collections.ConfigDict` with `get_config(arg)`, starting
+from `defaults()` (every key of the schema at its typed default, so every key can be overridden on
+every config) and setting only what differs. This module is the only library code that sees a
+ConfigDict: `load()` applies the sweep entry and the command-line overrides to it, then converts
+it once into the frozen dataclasses below. Every library function takes those dataclasses. An
+unknown key or an out-of-range value raises `ConfigError` naming the key.
 """
 
 from __future__ import annotations
@@ -464,6 +465,11 @@ def from_dict(cls, d, prefix: str = ""):
 
 def to_dict(cfg) -> dict:
     return dataclasses.asdict(cfg)
+
+
+def defaults() -> ml_collections.ConfigDict:
+    """Every key of `RunConfig` at its typed default: where each config file starts."""
+    return ml_collections.ConfigDict(to_dict(RunConfig()))
 
 
 def parse_arg(arg: str | None, **defaults):

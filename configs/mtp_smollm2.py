@@ -13,8 +13,6 @@ and `benchmarks/rollout.py --model smollm2 --mtp_ckpt DIR/mtp/ckpt` use.
     python launch.py --config configs/mtp_smollm2.py:runlocal   # seconds-scale smoke run
 """
 
-import ml_collections
-
 from bebop.config import parse_arg
 from configs.common import base
 
@@ -24,16 +22,31 @@ def get_config(arg=None):
     c = base(model={}, policy=dict(source="gguf", path=""), stages=("distill", "mtp"))
     c.distill.update(num_samples=1536, batch_size=64, prompts="task", mixed_fraction=0.25)
     # 3 trained steps (rollouts draft γ = 3; Bebop trains 5): 40 % cheaper steps on a CPU.
-    c.mtp.update(loss=a.loss, init=a.init, draft_vocab=8192, cache_hidden=True, steps=300,
-                 train_steps=3, warmup_loss_steps=60, batch_size=8, eval_every=100,
-                 eval_prompts=16, eval_mixed_prompts=8, patience=2)  # fmt: skip
+    c.mtp.update(
+        loss=a.loss,
+        init=a.init,
+        draft_vocab=8192,
+        cache_hidden=True,
+        train_steps=3,
+        warmup_loss_steps=60,
+        eval_mixed_prompts=8,
+        patience=2,
+    )
     c.ckpt.every = 100
     if a.runlocal:
         c.rollout.max_new_tokens = 8
         c.distill.update(num_samples=4, batch_size=4)
-        c.mtp.update(steps=2, warmup_loss_steps=1, batch_size=2, eval_every=2, eval_prompts=2,
-                     eval_mixed_prompts=2, log_every=1, draft_vocab=512)  # fmt: skip
-    return ml_collections.ConfigDict(c)
+        c.mtp.update(
+            steps=2,
+            warmup_loss_steps=1,
+            batch_size=2,
+            eval_every=2,
+            eval_prompts=2,
+            eval_mixed_prompts=2,
+            log_every=1,
+            draft_vocab=512,
+        )
+    return c
 
 
 def sweep(arg=None):

@@ -6,22 +6,23 @@ ships them; else the mtp stage trains one).
         --workdir runs/qwen3_gpu
 """
 
-import ml_collections
-
 from bebop.config import parse_arg
 from configs.common import base
 
 
 def get_config(arg=None):
     a = parse_arg(arg, runlocal=False)
-    c = base(model=dict(dtype="bfloat16"), policy=dict(source="hf", path="/models/Qwen3-4B"),
-             stages=("distill", "mtp", "rl"))  # fmt: skip
-    c.mesh = dict(data=1, fsdp=-1, tensor=1)
-    c.task = dict(name="wordmath", digits=3, noise=0.0, path="")
+    c = base(
+        model=dict(dtype="bfloat16"),
+        policy=dict(source="hf", path="/models/Qwen3-4B"),
+        stages=("distill", "mtp", "rl"),
+    )
+    c.mesh.update(data=1, fsdp=-1)
+    c.task.digits = 3
     c.rollout.update(max_new_tokens=1024, num_draft=3)
     c.distill.update(num_samples=8192, batch_size=256)
     c.mtp.update(steps=2000, batch_size=64, chunk=16384)
     c.rl.update(steps=500, prompts_per_step=64, group_size=16, max_staleness=1)
     if a.runlocal:
         c.rl.update(steps=2, prompts_per_step=2, group_size=2)
-    return ml_collections.ConfigDict(c)
+    return c

@@ -5,19 +5,20 @@ lets `jax.distributed.initialize()` discover the pod. Data parallel across hosts
         --workdir /mnt/runs/qwen3_pod
 """
 
-import ml_collections
-
 from bebop.config import parse_arg
 from configs.common import base
 
 
 def get_config(arg=None):
     a = parse_arg(arg, runlocal=False)
-    c = base(model=dict(dtype="bfloat16"), policy=dict(source="hf", path="/models/Qwen3-8B"),
-             stages=("distill", "mtp", "rl"))  # fmt: skip
-    c.mesh = dict(data=-1, fsdp=8, tensor=1)
-    c.distributed = dict(coordinator_address="", num_processes=1, process_id=0, auto=True)
-    c.task = dict(name="wordmath", digits=3, noise=0.0, path="")
+    c = base(
+        model=dict(dtype="bfloat16"),
+        policy=dict(source="hf", path="/models/Qwen3-8B"),
+        stages=("distill", "mtp", "rl"),
+    )
+    c.mesh.fsdp = 8
+    c.distributed.auto = True
+    c.task.digits = 3
     c.rollout.update(max_new_tokens=2048, num_draft=3)
     c.distill.update(num_samples=32768, batch_size=1024)
     c.mtp.update(steps=4000, batch_size=256, chunk=16384)
@@ -25,4 +26,4 @@ def get_config(arg=None):
     if a.runlocal:
         c.rl.update(steps=2, prompts_per_step=2, group_size=2)
         c.distributed.auto = False
-    return ml_collections.ConfigDict(c)
+    return c

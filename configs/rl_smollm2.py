@@ -7,8 +7,6 @@ its distill and mtp stages:
     python launch.py --config configs/rl_smollm2.py --workdir runs/mtp_smollm2
 """
 
-import ml_collections
-
 from bebop.config import parse_arg
 from configs import mtp_smollm2
 
@@ -20,4 +18,4 @@ def get_config(arg=None):
     c.rl.update(steps=40, prompts_per_step=4, group_size=8, eval_samples=64)
     if a.runlocal:
         c.rl.update(steps=2, prompts_per_step=2, group_size=2, eval_samples=2)
-    return ml_collections.ConfigDict(c)
+    return c

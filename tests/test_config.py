@@ -1,8 +1,12 @@
 """Every config file loads and validates; bad values and keys fail naming the key."""
 
+import copy
+import dataclasses
+import functools
 import json
 import subprocess
 import sys
+import typing
 
 import pytest
 
@@ -21,6 +25,56 @@ def test_every_config_loads_and_validates(path, arg):
     assert isinstance(cfg, config_lib.RunConfig)
     # round trip: the typed config re-serialises to the same keys as the ConfigDict
     assert set(config_lib.to_dict(cfg)) == set(raw.to_dict())
+
+
+def _leaves(cls, prefix=""):
+    hints = typing.get_type_hints(cls)
+    for f in dataclasses.fields(cls):
+        if dataclasses.is_dataclass(hints[f.name]):
+            yield from _leaves(hints[f.name], f"{prefix}{f.name}.")
+        else:
+            yield prefix + f.name
+
+
+LEAVES = list(_leaves(config_lib.RunConfig))
+
+
+def _get(cfg, key):
+    return functools.reduce(getattr, key.split("."), cfg)
+
+
+def _other(value):
+    """A different value of the same type."""
+    if isinstance(value, bool):
+        return not value
+    if isinstance(value, (int, float)):
+        return value + (1 if isinstance(value, int) else 0.5)
+    if isinstance(value, str):
+        return value + "x"
+    return (*value, *value[:1]) if value else ("sft",)
+
+
+@pytest.mark.parametrize("path", CONFIGS, ids=lambda p: p.name)
+def test_every_leaf_key_can_be_overridden_on_every_config(path):
+    """Config files start from the typed defaults: every leaf of the schema is a key of every
+    config file (an override to its own value loads and validates; another value lands in the
+    typed config), and an unknown key still fails naming it."""
+    cfg, raw = config_lib.load(str(path))
+    assert len(LEAVES) > 100
+    for key in LEAVES:
+        value = _get(cfg, key)
+        assert config_lib.load(str(path), [f"{key}={value!r}"])[0] == cfg, key
+        cd = copy.deepcopy(raw)
+        config_lib.set_by_path(cd, key, _other(value))
+        assert _get(config_lib.from_dict(config_lib.RunConfig, cd), key) == _other(value), key
+    for bad in ("mtp.optim.nope", "rl.nope", "nope"):
+        with pytest.raises(ConfigError, match=bad.replace(".", r"\.")):
+            config_lib.load(str(path), [f"{bad}=1"])
+
+
+def test_draft_vocab_can_be_set_on_the_demo():
+    cfg, _ = config_lib.load(str(REPO / "configs/demo.py"), ["mtp.draft_vocab=16"])
+    assert cfg.mtp.draft_vocab == 16
 
 
 @pytest.mark.parametrize(
