@@ -1,0 +1,76 @@
+"""The package's import direction, read from the source (AST): launch.py -> pipeline -> stages ->
+library. No stage imports another stage, no library module imports a stage, and the import graph
+of `bebop` has no cycle (imports inside functions count too)."""
+
+import ast
+
+from .conftest import REPO
+
+# One module per stage of `config.STAGES`; `pipeline` (which runs them in order) is the only
+# module of the package that may import them.
+STAGES = {"bebop.sft", "bebop.distill", "bebop.mtp_train", "bebop.rl.stage"}
+RUNNERS = {"bebop.pipeline"}
+
+
+def _module(path) -> str:
+    parts = path.relative_to(REPO).with_suffix("").parts
+    return ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
+
+
+def _exists(name: str) -> bool:
+    base = REPO / name.replace(".", "/")
+    return base.with_suffix(".py").exists() or (base / "__init__.py").exists()
+
+
+def import_graph() -> dict[str, set[str]]:
+    """{module: the bebop modules it imports}; `from bebop import x` counts as `bebop.x` when
+    `x` is a module."""
+    graph = {}
+    for path in sorted((REPO / "bebop").rglob("*.py")):
+        mod, deps = _module(path), set()
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.Import):
+                deps |= {a.name for a in node.names if a.name.startswith("bebop")}
+            elif isinstance(node, ast.ImportFrom):
+                if node.level:  # relative: resolve against the importing package
+                    pkg = mod.split(".") if path.name == "__init__.py" else mod.split(".")[:-1]
+                    pkg = pkg[: len(pkg) - node.level + 1]
+                    base = ".".join(pkg + ([node.module] if node.module else []))
+                else:
+                    base = node.module or ""
+                if not base.startswith("bebop"):
+                    continue
+                for a in node.names:
+                    deps.add(f"{base}.{a.name}" if _exists(f"{base}.{a.name}") else base)
+        graph[mod] = deps - {mod, "bebop"}
+    return graph
+
+
+def test_stages_import_no_stage_and_the_library_imports_no_stage():
+    graph = import_graph()
+    assert STAGES <= set(graph), sorted(STAGES - set(graph))
+    bad = [
+        f"{mod} -> {dep}"
+        for mod, deps in graph.items()
+        if mod not in RUNNERS
+        for dep in sorted(deps & STAGES)
+    ]
+    assert not bad, bad
+
+
+def test_the_import_graph_has_no_cycle():
+    graph = import_graph()
+    state: dict[str, int] = {}  # 1: on the current path, 2: done
+
+    def visit(mod, path):
+        state[mod] = 1
+        for dep in sorted(graph.get(mod, ())):
+            if state.get(dep) == 1:
+                raise AssertionError("import cycle: " + " -> ".join([*path, mod, dep]))
+            if dep not in state:
+                visit(dep, [*path, mod])
+        state[mod] = 2
+
+    for mod in sorted(graph):
+        if mod not in state:
+            visit(mod, [])
