@@ -175,9 +175,13 @@ def _known_errors() -> tuple[type, ...]:
     from bebop.train import NonFiniteError
 
     return (
-        DamagedFileError, NonFiniteError, WorkdirLocked, CheckpointRestoreError, CheckpointError,
+        DamagedFileError,
+        NonFiniteError,
+        WorkdirLocked,
+        CheckpointRestoreError,
+        CheckpointError,
         FileNotFoundError,
-    )  # fmt: skip
+    )
 
 
 def main(argv=None) -> int:

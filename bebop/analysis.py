@@ -47,9 +47,13 @@ def linear_fit(x, y, n_boot: int = 1000, level: float = 0.95, seed: int = 0) -> 
     s_lo, s_hi = np.percentile(boots[:, 0], q)
     i_lo, i_hi = np.percentile(boots[:, 1], q)
     return LinearFit(
-        float(slope), float(intercept), r, (float(s_lo), float(s_hi)),
-        (float(i_lo), float(i_hi)), int(x.size),
-    )  # fmt: skip
+        float(slope),
+        float(intercept),
+        r,
+        (float(s_lo), float(s_hi)),
+        (float(i_lo), float(i_hi)),
+        int(x.size),
+    )
 
 
 def _ranks(a):

@@ -172,10 +172,11 @@ class DistributedConfig:
     def validate(self, p: str = "distributed.") -> None:
         _positive(self, p, "num_processes")
         _require(
-            self.num_processes == 1 or bool(self.coordinator_address), p + "coordinator_address",
+            self.num_processes == 1 or bool(self.coordinator_address),
+            p + "coordinator_address",
             f"required with num_processes={self.num_processes} (host:port of process 0); or "
             "leave num_processes=1 and set distributed.auto=True on a cluster JAX detects",
-        )  # fmt: skip
+        )
         _require(0 <= self.process_id < self.num_processes, p + "process_id", "out of range")
 
 
@@ -214,9 +215,10 @@ class RolloutConfig:
         _require(self.top_k >= 0, p + "top_k", "must be >= 0")
         _positive(self, p, "max_new_tokens", "num_draft")
         _require(
-            self.max_new_tokens <= MAX_NEW_TOKENS, p + "max_new_tokens",
+            self.max_new_tokens <= MAX_NEW_TOKENS,
+            p + "max_new_tokens",
             f"{self.max_new_tokens} is more than the supported {MAX_NEW_TOKENS}",
-        )  # fmt: skip
+        )
         _require(
             self.mode in ("plain", "rejection", "target_only"), p + "mode", f"unknown {self.mode!r}"
         )
@@ -328,9 +330,10 @@ class RLConfig:
         _require(self.max_staleness >= 0, p + "max_staleness", "must be >= 0")
         _require(self.reward_retries >= 0, p + "reward_retries", "must be >= 0")
         _require(
-            self.reward_timeout_action in ("error", "zero"), p + "reward_timeout_action",
+            self.reward_timeout_action in ("error", "zero"),
+            p + "reward_timeout_action",
             "error | zero",
-        )  # fmt: skip
+        )
         _require(self.eval_every >= 0, p + "eval_every", "must be >= 0 (0 = off)")
         _require(self.draft_log_rows >= 0, p + "draft_log_rows", "must be >= 0 (0 = off)")
         strategies = ("frozen", "online", "joint", "growmtp")
@@ -372,8 +375,9 @@ class RunConfig:
     def validate(self) -> None:
         _require(
             self.rl.mtp_strategy != "growmtp" or self.rollout.mode != "plain",
-            "rl.mtp_strategy", "growmtp needs speculative rollouts (rollout.mode != 'plain')",
-        )  # fmt: skip
+            "rl.mtp_strategy",
+            "growmtp needs speculative rollouts (rollout.mode != 'plain')",
+        )
         for s in self.stages:
             _require(s in STAGES, "stages", f"unknown stage {s!r}; known: {STAGES}")
         _positive(self, "", "max_nonfinite")
@@ -383,10 +387,11 @@ class RunConfig:
             _require(getattr(self, k) == 0 or getattr(self, k) > 1, k, "must be 0 (off) or > 1")
         _require(self.profile_steps >= 0, "profile_steps", "must be >= 0 (0 = off)")
         _require(
-            "rl" not in self.stages or self.rollout.temperature > 0, "rollout.temperature",
+            "rl" not in self.stages or self.rollout.temperature > 0,
+            "rollout.temperature",
             "must be > 0 with the rl stage: greedy rollouts make every GRPO group identical "
             "(advantage 0, gradient 0)",
-        )  # fmt: skip
+        )
         for f in dataclasses.fields(self):
             v = getattr(self, f.name)
             if dataclasses.is_dataclass(v):
@@ -407,10 +412,11 @@ class RunConfig:
         itemsize = 2 if m.dtype == "bfloat16" else 4
         kv = 2 * m.num_layers * batch * m.num_kv_heads * r.max_new_tokens * m.head_dim * itemsize
         _require(
-            kv <= limit_bytes, "rollout.max_new_tokens",
+            kv <= limit_bytes,
+            "rollout.max_new_tokens",
             f"{r.max_new_tokens} new tokens need KV caches of at least {kv / 2**30:.0f} GiB "
             f"(batch {batch}); the bound is {limit_bytes / 2**30:.0f} GiB",
-        )  # fmt: skip
+        )
 
 
 # ----------------------------------------------------------------------------- conversion

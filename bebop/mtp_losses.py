@@ -173,9 +173,16 @@ def _per_step_metrics(a_YxBxT, valid):
 
 
 def ce_loss(
-    draft, target, head, tokens, mask, chunk=8192, temperature=1.0, cycle_len=None,
+    draft,
+    target,
+    head,
+    tokens,
+    mask,
+    chunk=8192,
+    temperature=1.0,
+    cycle_len=None,
     target_lse=None,
-):  # fmt: skip
+):
     del target, cycle_len, target_lse
     hq, _, labels, valid, _ = _prepare(draft, draft[0], tokens, mask)
     w_chunks, v = _chunks(jax.lax.stop_gradient(head), chunk)
@@ -200,9 +207,16 @@ def _kl_terms(draft, target, head, tokens, mask, chunk, temperature, target_lse)
 
 
 def kl_loss(
-    draft, target, head, tokens, mask, chunk=8192, temperature=1.0, cycle_len=None,
+    draft,
+    target,
+    head,
+    tokens,
+    mask,
+    chunk=8192,
+    temperature=1.0,
+    cycle_len=None,
     target_lse=None,
-):  # fmt: skip
+):
     del cycle_len
     kl_pq, _, a, valid = _kl_terms(
         draft, target, head, tokens, mask, chunk, temperature, target_lse
@@ -211,9 +225,16 @@ def kl_loss(
 
 
 def reverse_kl_loss(
-    draft, target, head, tokens, mask, chunk=8192, temperature=1.0, cycle_len=None,
+    draft,
+    target,
+    head,
+    tokens,
+    mask,
+    chunk=8192,
+    temperature=1.0,
+    cycle_len=None,
     target_lse=None,
-):  # fmt: skip
+):
     del cycle_len
     _, kl_qp, a, valid = _kl_terms(
         draft, target, head, tokens, mask, chunk, temperature, target_lse
@@ -222,9 +243,16 @@ def reverse_kl_loss(
 
 
 def tv_loss(
-    draft, target, head, tokens, mask, chunk=8192, temperature=1.0, cycle_len=None,
+    draft,
+    target,
+    head,
+    tokens,
+    mask,
+    chunk=8192,
+    temperature=1.0,
+    cycle_len=None,
     target_lse=None,
-):  # fmt: skip
+):
     del cycle_len
     a, valid = _alphas(_prepare(draft, target, tokens, mask, target_lse), head, chunk, temperature)
     return _masked_mean(1.0 - a, valid), _per_step_metrics(a, valid)
@@ -251,17 +279,31 @@ def _e2e_tv(draft, target, head, tokens, mask, chunk, temperature, target_lse, p
 
 
 def e2e_tv_loss(
-    draft, target, head, tokens, mask, chunk=8192, temperature=1.0, cycle_len=None,
+    draft,
+    target,
+    head,
+    tokens,
+    mask,
+    chunk=8192,
+    temperature=1.0,
+    cycle_len=None,
     target_lse=None,
-):  # fmt: skip
+):
     del cycle_len
     return _e2e_tv(draft, target, head, tokens, mask, chunk, temperature, target_lse, False)
 
 
 def e2e_tv_partial_loss(
-    draft, target, head, tokens, mask, chunk=8192, temperature=1.0, cycle_len=None,
+    draft,
+    target,
+    head,
+    tokens,
+    mask,
+    chunk=8192,
+    temperature=1.0,
+    cycle_len=None,
     target_lse=None,
-):  # fmt: skip
+):
     """`e2e_tv` with chains cut at the end of the response instead of dropped: an anchor whose
     step 1 is supervised counts Π_{i≤j} α_i for its supervised steps j only (what it can accept
     before the sequence ends). `e2e_tv` drops every anchor within Y + 1 tokens of the end, so on
@@ -271,9 +313,16 @@ def e2e_tv_partial_loss(
 
 
 def dca_loss(
-    draft, target, head, tokens, mask, chunk=8192, temperature=1.0, cycle_len=None,
+    draft,
+    target,
+    head,
+    tokens,
+    mask,
+    chunk=8192,
+    temperature=1.0,
+    cycle_len=None,
     target_lse=None,
-):  # fmt: skip
+):
     """Terms are masked one by one, as in `e2e_tv_partial`: a chain is cut at its first
     unsupervised step (the end of the response), so every anchor whose step 1 is supervised
     counts -- the answer tokens and EOS train the head too. `accept_len_BxT` (optional): drafts
@@ -306,9 +355,19 @@ MTP_LOSSES = {
 
 
 def draft_loss(
-    name, draft, target, head_DxV, tokens, mask, *, vocab=None, chunk=8192, temperature=1.0,
-    cycle_len=None, target_lse=None,
-):  # fmt: skip
+    name,
+    draft,
+    target,
+    head_DxV,
+    tokens,
+    mask,
+    *,
+    vocab=None,
+    chunk=8192,
+    temperature=1.0,
+    cycle_len=None,
+    target_lse=None,
+):
     """The loss `name` of `MTP_LOSSES`, optionally for a draft restricted to the token ids
     `vocab` `[K]`: q over those K tokens, p the full-vocabulary target (see the module doc).
     `target_lse` `[B, T]`: the target's log-normaliser over the full vocabulary at `temperature`,
@@ -359,8 +418,9 @@ class MTPBatch:
     cycle_len: jax.Array | None = None  # [B, T] int32
 
 
-def mtp_loss(pol_gd, mtp_gd, loss_name: str, train_steps: int, chunk: int, temperature: float,
-             vocab=None):  # fmt: skip
+def mtp_loss(
+    pol_gd, mtp_gd, loss_name: str, train_steps: int, chunk: int, temperature: float, vocab=None
+):
     """`loss_fn(mtp_params, batch: MTPBatch, rng, pol_params)` for `make_train_step` (the frozen
     policy's parameters its extra argument); `vocab`: the draft vocabulary (None: full)."""
     vocab = None if vocab is None else jnp.asarray(vocab, jnp.int32)

@@ -44,9 +44,15 @@ def evaluate(pol, mtp, tok, cfg: RunConfig, prompt_ids, num_draft: int, vocab=No
     res = {}
     for rule in ("rejection", "target_only"):
         out = speculative.sample_jit(
-            *pol, *mtp, toks, lens, jax.random.key(cfg.seed + 7), scfg,
-            speculative.SpecConfig(num_draft, rule), vocab,
-        )  # fmt: skip
+            *pol,
+            *mtp,
+            toks,
+            lens,
+            jax.random.key(cfg.seed + 7),
+            scfg,
+            speculative.SpecConfig(num_draft, rule),
+            vocab,
+        )
         res.update({f"{rule}/{k}": v for k, v in speculative.summarize(out).items()})
     return res
 
@@ -102,8 +108,13 @@ def cached_target(distill_dir: Path, pol_gd, pol_params, tokens_NxS, batch_size,
         if hid.shape[:2] == lse.shape == tuple(tokens_NxS.shape):
             logging.info("mtp: target hiddens from %s", cdir)
             return {"hidden": hid, "target_lse": lse}
-        logging.warning("mtp: %s has shapes %s/%s for tokens %s; recomputing", cdir,
-                        hid.shape, lse.shape, tokens_NxS.shape)  # fmt: skip
+        logging.warning(
+            "mtp: %s has shapes %s/%s for tokens %s; recomputing",
+            cdir,
+            hid.shape,
+            lse.shape,
+            tokens_NxS.shape,
+        )
     hid, lse = policy_hiddens(pol_gd, pol_params, tokens_NxS, batch_size, temperature)
     cdir.mkdir(parents=True, exist_ok=True)
     io.save_array_atomic(cdir / "hidden.npy", hid)
@@ -189,12 +200,22 @@ def run(cfg: RunConfig, workdir: Path, mesh, stop_at_step: int | None = None) ->
 
     before = eval_fn(state)
     res = fit(
-        "mtp", sdir, cfg, state, train_step, it, make_batch,
-        total_steps=m.steps, log_every=m.log_every, tokens_per_step=m.batch_size * seq_len,
-        lr_at=schedule(m.optim, m.steps), eval_fn=eval_fn, eval_every=m.eval_every,
+        "mtp",
+        sdir,
+        cfg,
+        state,
+        train_step,
+        it,
+        make_batch,
+        total_steps=m.steps,
+        log_every=m.log_every,
+        tokens_per_step=m.batch_size * seq_len,
+        lr_at=schedule(m.optim, m.steps),
+        eval_fn=eval_fn,
+        eval_every=m.eval_every,
         stop_at_step=stop_at_step,
         stop_fn=patience_stop(m.patience, "rejection/accept_len") if m.patience else None,
-    )  # fmt: skip
+    )
     after = res.last_eval or eval_fn(res.state)
     summary = {
         "stage": "mtp",

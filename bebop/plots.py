@@ -57,8 +57,10 @@ def _save(fig, ax, path: Path, xlabel: str, ylabel: str, title: str, legend: boo
 def _check(label, x, y):
     x, y = np.asarray(x, np.float64), np.asarray(y, np.float64)
     if x.shape != y.shape or x.ndim != 1 or x.size == 0:
-        raise ValueError(f"plot series {label!r}: want two equal 1-D non-empty arrays, got "
-                         f"{x.shape} and {y.shape}")  # fmt: skip
+        raise ValueError(
+            f"plot series {label!r}: want two equal 1-D non-empty arrays, got "
+            f"{x.shape} and {y.shape}"
+        )
     return x, y
 
 
@@ -88,7 +90,7 @@ def twin_x(path, curves: Mapping[str, tuple], xlabels: tuple[str, str], ylabel: 
 
 def binned_fit(
     path, groups: Mapping[str, tuple], xlabel: str, ylabel: str, title: str, bins: int = 10
-):  # fmt: skip
+):
     """Per group (label -> (x, y)), binned means of y against x (markers) and the least-squares
     line over the raw pairs, with slope, its bootstrap 95 % interval and r in the legend (e.g.
     acceptance vs policy entropy). Returns (figure, {label: LinearFit})."""
@@ -102,8 +104,13 @@ def binned_fit(
         color = f"C{i}"
         ax.plot(bx, by, "o", color=color, markersize=4)
         grid = np.linspace(x.min(), x.max(), 50)
-        ax.plot(grid, fit.slope * grid + fit.intercept, "-", color=color,
-                label=f"{label}: {fit.label()}")  # fmt: skip
+        ax.plot(
+            grid,
+            fit.slope * grid + fit.intercept,
+            "-",
+            color=color,
+            label=f"{label}: {fit.label()}",
+        )
     return _save(fig, ax, path, xlabel, ylabel, title), fits
 
 

@@ -16,24 +16,50 @@ from bebop.config import RunConfig
 
 STREAMS = {"distill": 11, "eval": 1_000_003, "rl": 23, "bench": 37}
 
-_TOPICS = ["the ocean", "autumn leaves", "a lighthouse", "friendship", "the night sky",
-           "a busy city", "mountains", "a small robot", "rain",
-           "the first day of school"]  # fmt: skip
-_CONCEPTS = ["photosynthesis", "gravity", "how vaccines work", "why the sky is blue",
-             "compound interest", "the water cycle", "how a bicycle stays upright",
-             "what a prime number is", "how computers store numbers", "the seasons"]  # fmt: skip
-_INSTRUCTIONS = ["Write a short poem about {t}.", "Explain {c} to a ten-year-old.",
-                 "Give three tips for learning about {c}.", "Write a two-sentence story about {t}.",
-                 "Summarize {c} in one paragraph.",
-                 "List five words that describe {t}."]  # fmt: skip
-_MATHS = ["{n} has {a} {i} and buys {b} more. How many {i} does {n} have now?",
-          "{n} had {a} {i} and gave away {b}. How many {i} are left?",
-          "A box holds {a} {i}. How many {i} are in {b} boxes?",
-          "{n} shares {p} {i} equally among {b} friends. How many does each get?"]  # fmt: skip
-_CODE = ["Write a Python function that returns the {k} of a list of numbers.",
-         "Write a Python function that checks whether a string is a {w}.",
-         "Write a JavaScript function that {j}.",
-         "Explain what this Python code does: `sum(x * x for x in range({a}))`"]  # fmt: skip
+_TOPICS = [
+    "the ocean",
+    "autumn leaves",
+    "a lighthouse",
+    "friendship",
+    "the night sky",
+    "a busy city",
+    "mountains",
+    "a small robot",
+    "rain",
+    "the first day of school",
+]
+_CONCEPTS = [
+    "photosynthesis",
+    "gravity",
+    "how vaccines work",
+    "why the sky is blue",
+    "compound interest",
+    "the water cycle",
+    "how a bicycle stays upright",
+    "what a prime number is",
+    "how computers store numbers",
+    "the seasons",
+]
+_INSTRUCTIONS = [
+    "Write a short poem about {t}.",
+    "Explain {c} to a ten-year-old.",
+    "Give three tips for learning about {c}.",
+    "Write a two-sentence story about {t}.",
+    "Summarize {c} in one paragraph.",
+    "List five words that describe {t}.",
+]
+_MATHS = [
+    "{n} has {a} {i} and buys {b} more. How many {i} does {n} have now?",
+    "{n} had {a} {i} and gave away {b}. How many {i} are left?",
+    "A box holds {a} {i}. How many {i} are in {b} boxes?",
+    "{n} shares {p} {i} equally among {b} friends. How many does each get?",
+]
+_CODE = [
+    "Write a Python function that returns the {k} of a list of numbers.",
+    "Write a Python function that checks whether a string is a {w}.",
+    "Write a JavaScript function that {j}.",
+    "Explain what this Python code does: `sum(x * x for x in range({a}))`",
+]
 _K = ["sum", "average", "largest element", "median", "product"]
 _W = ["palindrome", "valid email address", "number", "title-cased sentence"]
 _J = ["reverses a string", "counts the vowels in a word", "removes duplicates from an array"]

@@ -58,13 +58,19 @@ def run(cfg: RunConfig, workdir: Path, mesh, stop_at_step: int | None = None) ->
     it = iter(data.sft_dataset(cfg.task, tok, scfg.seq_len, scfg.batch_size, cfg.seed))
 
     res = fit(
-        "sft", sdir, cfg, state,
+        "sft",
+        sdir,
+        cfg,
+        state,
         make_train_step(lambda p, b, _: sft_loss(graphdef, p, b), optimizer),
-        it, lambda batch: sharding.shard_batch(batch, mesh),
-        total_steps=scfg.steps, log_every=scfg.log_every,
+        it,
+        lambda batch: sharding.shard_batch(batch, mesh),
+        total_steps=scfg.steps,
+        log_every=scfg.log_every,
         tokens_per_step=scfg.batch_size * scfg.seq_len,
-        lr_at=schedule(scfg.optim, scfg.steps), stop_at_step=stop_at_step,
-    )  # fmt: skip
+        lr_at=schedule(scfg.optim, scfg.steps),
+        stop_at_step=stop_at_step,
+    )
     state = res.state
     summary = {
         "stage": "sft",

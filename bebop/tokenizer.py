@@ -65,8 +65,14 @@ class CharTokenizer:
 class BPETokenizer:
     is_chat = True  # task prompts go in as a user message of the chat template
 
-    def __init__(self, tok, bos_id: int | None, eos_ids: Sequence[int], pad_id: int,
-                 default_system: str | None = None):  # fmt: skip
+    def __init__(
+        self,
+        tok,
+        bos_id: int | None,
+        eos_ids: Sequence[int],
+        pad_id: int,
+        default_system: str | None = None,
+    ):
         self.tok = tok
         self.bos_id = bos_id
         self.eos_ids = tuple(eos_ids)

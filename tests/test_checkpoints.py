@@ -28,10 +28,17 @@ ARCHS = {
 
 def _hf_model(arch, tmp_path, tie=False):
     cfg = ARCHS[arch](
-        vocab_size=96, hidden_size=32, intermediate_size=48, num_hidden_layers=2,
-        num_attention_heads=4, num_key_value_heads=2, head_dim=8, max_position_embeddings=128,
-        tie_word_embeddings=tie, rope_theta=5000.0,
-    )  # fmt: skip
+        vocab_size=96,
+        hidden_size=32,
+        intermediate_size=48,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=8,
+        max_position_embeddings=128,
+        tie_word_embeddings=tie,
+        rope_theta=5000.0,
+    )
     torch.manual_seed(0)
     m = transformers.AutoModelForCausalLM.from_config(cfg).eval()
     with torch.no_grad():
@@ -184,10 +191,18 @@ def test_gguf_with_unsupported_quant_type(tmp_path):
 
 def test_no_pickle_based_loading_anywhere():
     proc = subprocess.run(
-        ["grep", "-rnE", r"import pickle|pickle\.load|torch\.load|allow_pickle=True",
-         "bebop", "launch.py", "configs"],
-        cwd=REPO, capture_output=True, text=True,
-    )  # fmt: skip
+        [
+            "grep",
+            "-rnE",
+            r"import pickle|pickle\.load|torch\.load|allow_pickle=True",
+            "bebop",
+            "launch.py",
+            "configs",
+        ],
+        cwd=REPO,
+        capture_output=True,
+        text=True,
+    )
     assert proc.stdout == "", proc.stdout
 
 

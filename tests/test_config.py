@@ -154,10 +154,20 @@ def test_override_types_and_sweeps():
 
 def test_launch_rejects_bad_override_before_compute(tmp_path):
     proc = subprocess.run(
-        [sys.executable, "launch.py", "--config", "configs/demo.py:runlocal",
-         "--config.model.num_heads=5", "--workdir", str(tmp_path / "run")],
-        cwd=REPO, capture_output=True, text=True, timeout=120,
-    )  # fmt: skip
+        [
+            sys.executable,
+            "launch.py",
+            "--config",
+            "configs/demo.py:runlocal",
+            "--config.model.num_heads=5",
+            "--workdir",
+            str(tmp_path / "run"),
+        ],
+        cwd=REPO,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
     assert proc.returncode == 2
     assert "model.num_kv_heads" in proc.stderr or "model.num_heads" in proc.stderr
     assert not (tmp_path / "run").exists()

@@ -198,8 +198,9 @@ def test_draft_vocabulary_losses_and_gradients_equal_a_naive_reference(name):
     def got(d):
         return L.draft_loss(name, d, target, head, tokens, mask, vocab=SUB, chunk=4)[0]
 
-    np.testing.assert_allclose(got(draft), naive_subset(name, draft, target, head, tokens, mask),
-                               atol=1e-5, rtol=1e-5)  # fmt: skip
+    np.testing.assert_allclose(
+        got(draft), naive_subset(name, draft, target, head, tokens, mask), atol=1e-5, rtol=1e-5
+    )
     want_g = jax.grad(lambda d: naive_subset(name, d, target, head, tokens, mask))(draft)
     np.testing.assert_allclose(jax.grad(got)(draft), want_g, atol=1e-5)
     assert float(got(draft)) >= 0.0
@@ -244,8 +245,13 @@ def test_chunked_e2e_tv_uses_a_quarter_of_the_naive_memory():
     """Compiled peak (temp) memory of loss + gradient at V=49152, T=1024, Y=5 (D=64, B=1)."""
     y, t, d, v = 5, 1024, 64, 49152
     sds = jax.ShapeDtypeStruct
-    args = (sds((y, 1, t, d), jnp.float32), sds((1, t, d), jnp.float32), sds((d, v), jnp.float32),
-            sds((1, t), jnp.int32), sds((1, t), jnp.float32))  # fmt: skip
+    args = (
+        sds((y, 1, t, d), jnp.float32),
+        sds((1, t, d), jnp.float32),
+        sds((d, v), jnp.float32),
+        sds((1, t), jnp.int32),
+        sds((1, t), jnp.float32),
+    )
 
     def temp_bytes(fn):
         g = jax.jit(jax.value_and_grad(fn))

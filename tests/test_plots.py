@@ -47,8 +47,13 @@ def _png_size(path):
 
 def test_plots_draw_every_series_into_a_png(tmp_path):
     steps = np.arange(10.0)
-    fig = plots.lines(tmp_path / "l.png", {"a": (steps, steps**0.5), "b": (steps, steps / 3)},
-                      "RL step", "accept length (tokens / verify)", "demo, γ = 2")  # fmt: skip
+    fig = plots.lines(
+        tmp_path / "l.png",
+        {"a": (steps, steps**0.5), "b": (steps, steps / 3)},
+        "RL step",
+        "accept length (tokens / verify)",
+        "demo, γ = 2",
+    )
     ax = fig.axes[0]
     assert [len(line.get_xdata()) for line in ax.get_lines()] == [10, 10]
     assert ax.get_xlabel() == "RL step" and "γ = 2" in ax.get_title()
@@ -57,8 +62,14 @@ def test_plots_draw_every_series_into_a_png(tmp_path):
     rng = np.random.default_rng(1)
     ent = rng.uniform(0, 3, 500)
     acc = (rng.uniform(size=500) < 0.9 - 0.2 * ent).astype(float)
-    fig, fits = plots.binned_fit(tmp_path / "b.png", {"RS": (ent, acc)}, "policy entropy (nats)",
-                                 "P(accept)", "binned", bins=8)  # fmt: skip
+    fig, fits = plots.binned_fit(
+        tmp_path / "b.png",
+        {"RS": (ent, acc)},
+        "policy entropy (nats)",
+        "P(accept)",
+        "binned",
+        bins=8,
+    )
     ax = fig.axes[0]
     markers, fit_line = ax.get_lines()
     assert len(markers.get_xdata()) == 8 and len(fit_line.get_xdata()) == 50
@@ -67,8 +78,13 @@ def test_plots_draw_every_series_into_a_png(tmp_path):
 
     fig = plots.scatter(tmp_path / "s.png", {"runs": (ent[:6], acc[:6] + ent[:6])}, "x", "y", "t")
     assert len(fig.axes[0].get_lines()) == 2  # fit line + points
-    fig = plots.twin_x(tmp_path / "t.png", {"spec": (steps, steps * 3.5, steps)},
-                       ("RL step", "wall clock (s)"), "reward", "demo")  # fmt: skip
+    fig = plots.twin_x(
+        tmp_path / "t.png",
+        {"spec": (steps, steps * 3.5, steps)},
+        ("RL step", "wall clock (s)"),
+        "reward",
+        "demo",
+    )
     assert [len(a.get_lines()) for a in fig.axes] == [1, 1]
     assert _png_size(tmp_path / "t.png") == (1000, 400)
     with pytest.raises(ValueError, match="plot series 'empty'"):

@@ -158,9 +158,21 @@ def test_kl_term_is_zero_at_the_reference_and_trains_towards_it(tiny_cfg):
 # ----------------------------------------------------------------------------- rewards
 
 ADVERSARIAL = [
-    "", ">", ">>>", ">" + "9" * 5000, "7+8+0=15>٣٥", ">{{{}}}", "import os; os.system('x')>12",
-    "__import__('os')", ">1e309", ">-5", "\x00>12\x00", "<script>>12", ">12 13", "((((((((((((",
-]  # fmt: skip
+    "",
+    ">",
+    ">>>",
+    ">" + "9" * 5000,
+    "7+8+0=15>٣٥",
+    ">{{{}}}",
+    "import os; os.system('x')>12",
+    "__import__('os')",
+    ">1e309",
+    ">-5",
+    "\x00>12\x00",
+    "<script>>12",
+    ">12 13",
+    "((((((((((((",
+]
 
 
 @pytest.mark.parametrize("text", ADVERSARIAL)
@@ -236,8 +248,13 @@ def test_a_hanging_reward_scores_zero_or_fails_and_the_process_exits():
     rl.reward_timeout_s. Each within 2 x timeout + 3 s (pool start-up), and the process exits
     (the thread pool this replaced raised, then never exited)."""
     t = 0.5
-    proc = subprocess.run([sys.executable, "-c", HANG.format(t=t)], cwd=REPO, capture_output=True,
-                          text=True, timeout=60)  # fmt: skip
+    proc = subprocess.run(
+        [sys.executable, "-c", HANG.format(t=t)],
+        cwd=REPO,
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
     lines = dict(ln.split(" ", 1) for ln in proc.stdout.splitlines())
     scores, took = lines["zero"].rsplit(" ", 1)
     assert scores == "[1.0, 0.0, 1.0]" and 2 * t <= float(took) < 2 * t + 3, proc.stdout
@@ -305,11 +322,20 @@ def test_growmtp_target_is_the_behaviour_versions_distribution(tiny_cfg):
 
 def _rl_cfg(*overrides):
     base = [
-        "rl.steps=4", "rl.prompts_per_step=4", "rl.group_size=4", "rl.eval_samples=16",
-        "rl.speedup_repeats=1", "ckpt.every=2", "sft.steps=60", "sft.eval_samples=8",
-        "distill.num_samples=64", "mtp.steps=20", "mtp.warmup_loss_steps=10", "mtp.eval_every=20",
+        "rl.steps=4",
+        "rl.prompts_per_step=4",
+        "rl.group_size=4",
+        "rl.eval_samples=16",
+        "rl.speedup_repeats=1",
+        "ckpt.every=2",
+        "sft.steps=60",
+        "sft.eval_samples=8",
+        "distill.num_samples=64",
+        "mtp.steps=20",
+        "mtp.warmup_loss_steps=10",
+        "mtp.eval_every=20",
         "mtp.eval_prompts=8",
-    ]  # fmt: skip
+    ]
     return config_lib.load(str(REPO / "configs/demo.py:runlocal"), base + list(overrides))[0]
 
 
@@ -365,8 +391,13 @@ def test_staleness_bound_and_step_records(pretrained, tmp_path):
     update non-finite; lr, time split, reward spread and evaluations are logged;
     `draft_tokens.bin` holds exactly the emitted drafts of 3 rows per step."""
     captured = Capturing.captured = {}
-    cfg = _rl_cfg("rl.max_staleness=2", "rl.steps=6", "rl.kl_coef=0.05", "rl.eval_every=2",
-                  "rl.draft_log_rows=3")  # fmt: skip
+    cfg = _rl_cfg(
+        "rl.max_staleness=2",
+        "rl.steps=6",
+        "rl.kl_coef=0.05",
+        "rl.eval_every=2",
+        "rl.draft_log_rows=3",
+    )
     summary = rl_stage.run(cfg, _copy_pre(pretrained, tmp_path), _mesh(), make_rollouts=Capturing)
     recs = read_jsonl(tmp_path / "rl/metrics.jsonl")
     stale = [r["policy_version"] - 1 - r["batch_policy_version"] for r in recs]
@@ -441,8 +472,13 @@ def test_mtp_strategies_never_touch_the_policy(pretrained, tmp_path):
 def test_growmtp_grows_a_draft_head_from_random_init(pretrained, tmp_path):
     """12 RL steps of GrowMTP (random MTP, DCA loss on verification's own hiddens): the mean
     accept length of the last 3 rollout batches beats the first 3 by > 0.1 tokens."""
-    cfg = _rl_cfg("rl.mtp_strategy='growmtp'", "rl.steps=12", "rl.prompts_per_step=8",
-                  "rl.mtp_optim.lr=3e-3", "rl.mtp_optim.warmup_steps=2")  # fmt: skip
+    cfg = _rl_cfg(
+        "rl.mtp_strategy='growmtp'",
+        "rl.steps=12",
+        "rl.prompts_per_step=8",
+        "rl.mtp_optim.lr=3e-3",
+        "rl.mtp_optim.warmup_steps=2",
+    )
     d = _copy_pre(pretrained, tmp_path)
     rl_stage.run(cfg, d, _mesh())
     acc = [r["accept_len"] for r in read_jsonl(d / "rl/metrics.jsonl")]
@@ -450,17 +486,37 @@ def test_growmtp_grows_a_draft_head_from_random_init(pretrained, tmp_path):
 
 
 def _launch(workdir, *overrides, wait=True):
-    cmd = [sys.executable, "launch.py", "--config", "configs/demo.py:runlocal",
-           "--workdir", str(workdir), *[f"--config.{o}" for o in overrides]]  # fmt: skip
+    cmd = [
+        sys.executable,
+        "launch.py",
+        "--config",
+        "configs/demo.py:runlocal",
+        "--workdir",
+        str(workdir),
+        *[f"--config.{o}" for o in overrides],
+    ]
     if wait:
         return subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, timeout=600)
     return subprocess.Popen(cmd, cwd=REPO, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
 
 
-RESUME = ["rl.steps=6", "rl.prompts_per_step=4", "rl.group_size=4", "rl.eval_samples=16",
-          "rl.speedup_repeats=1", "ckpt.every=2", "rl.max_staleness=0", "ckpt.async_save=False",
-          "sft.steps=60", "sft.eval_samples=8", "distill.num_samples=64", "mtp.steps=20",
-          "mtp.warmup_loss_steps=10", "mtp.eval_every=20", "mtp.eval_prompts=8"]  # fmt: skip
+RESUME = [
+    "rl.steps=6",
+    "rl.prompts_per_step=4",
+    "rl.group_size=4",
+    "rl.eval_samples=16",
+    "rl.speedup_repeats=1",
+    "ckpt.every=2",
+    "rl.max_staleness=0",
+    "ckpt.async_save=False",
+    "sft.steps=60",
+    "sft.eval_samples=8",
+    "distill.num_samples=64",
+    "mtp.steps=20",
+    "mtp.warmup_loss_steps=10",
+    "mtp.eval_every=20",
+    "mtp.eval_prompts=8",
+]
 
 
 def test_rl_kill_and_resume_continues_to_the_same_metrics(pretrained, tmp_path):

@@ -80,8 +80,19 @@ def toy_fit(stage_dir, cfg, stream=None, steps=8, **kw):
     _, params = nnx.split(Toy())
     state = TrainState.create(params, SGD, seed=0)
     step = make_train_step(toy_loss, SGD, donate=False)
-    return fit("toy", stage_dir, cfg, state, step, stream or Stream(), lambda b: b,
-               total_steps=steps, log_every=1, tokens_per_step=1, **kw)  # fmt: skip
+    return fit(
+        "toy",
+        stage_dir,
+        cfg,
+        state,
+        step,
+        stream or Stream(),
+        lambda b: b,
+        total_steps=steps,
+        log_every=1,
+        tokens_per_step=1,
+        **kw,
+    )
 
 
 def ckpt_steps(stage_dir):
@@ -193,16 +204,25 @@ def test_a_changed_config_on_a_finished_stage_is_refused_naming_the_key(tmp_path
     finish_stage(tmp_path, cfg)
     config_lib.dump(cfg, tmp_path / "config.json")
     before = (tmp_path / "config.json").read_text()
-    rc, _, err = run_launch(capsys, "--config", DEMO, "--workdir", str(tmp_path), *SFT_ONLY,
-                            "--config.sft.optim.lr=0.01", "--config.ckpt.every=7")  # fmt: skip
+    rc, _, err = run_launch(
+        capsys,
+        "--config",
+        DEMO,
+        "--workdir",
+        str(tmp_path),
+        *SFT_ONLY,
+        "--config.sft.optim.lr=0.01",
+        "--config.ckpt.every=7",
+    )
     assert rc == 2
     last = err.strip().splitlines()[-1]
     assert "stage 'sft'" in last and "sft.optim.lr: 0.002 -> 0.01" in last
     assert "ckpt.every" not in last  # checkpoint cadence is not an input of the result
     assert (tmp_path / "config.json").read_text() == before  # not overwritten by the refusal
     # same inputs, other cadence: the finished stage is reused, config.json now says so
-    rc, out, _ = run_launch(capsys, "--config", DEMO, "--workdir", str(tmp_path), *SFT_ONLY,
-                            "--config.ckpt.every=7")  # fmt: skip
+    rc, out, _ = run_launch(
+        capsys, "--config", DEMO, "--workdir", str(tmp_path), *SFT_ONLY, "--config.ckpt.every=7"
+    )
     assert rc == 0 and json.loads(out.strip().splitlines()[-1])["sft"]["accuracy"] == 0.5
     assert json.loads((tmp_path / "config.json").read_text())["ckpt"]["every"] == 7
     assert [p.name for p in tmp_path.glob("config.*.json")] != []  # the old one is kept
@@ -322,8 +342,11 @@ def test_a_launch_error_is_the_last_line_and_names_the_file(tmp_path):
     (tmp_path / "sft/runs.json").write_text('{"runs": [')
     proc = subprocess.run(
         [sys.executable, "launch.py", "--config", DEMO, "--workdir", str(tmp_path), *SFT_ONLY],
-        cwd=REPO, capture_output=True, text=True, timeout=120,
-    )  # fmt: skip
+        cwd=REPO,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
     assert proc.returncode == 1
     last = proc.stderr.strip().splitlines()[-1]
     assert last.startswith("error: DamagedFileError:") and "sft/runs.json: invalid JSON" in last
@@ -393,8 +416,9 @@ def test_list_sweep_prints_one_command_per_entry_and_sweep_all_runs_each(tmp_pat
     assert all(f"--sweep_index {i}" in ln and f"sweep{i}" in ln for i, ln in enumerate(lines))
     for i in range(3):  # each entry's stage already finished with that entry's config
         finish_stage(tmp_path / f"sweep{i}", config_lib.load(DEMO, ["stages=('sft',)"], i)[0])
-    rc, out, _ = run_launch(capsys, "--config", DEMO, "--workdir", str(tmp_path), "--sweep_index",
-                            "all", *SFT_ONLY)  # fmt: skip
+    rc, out, _ = run_launch(
+        capsys, "--config", DEMO, "--workdir", str(tmp_path), "--sweep_index", "all", *SFT_ONLY
+    )
     summaries = [json.loads(ln) for ln in out.strip().splitlines() if ln.startswith("{")]
     assert rc == 0 and [s["workdir"] for s in summaries] == [
         str(tmp_path / f"sweep{i}") for i in range(3)

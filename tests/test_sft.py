@@ -88,10 +88,19 @@ def test_runlocal_pipeline_learns_the_task_and_trains_the_mtp(tmp_path):
     accuracy on 128 held-out problems must beat chance (exact-match answers in 0..198: chance
     < 1 %) by a wide margin: threshold 30 %."""
     proc = subprocess.run(
-        [sys.executable, "launch.py", "--config", "configs/demo.py:runlocal",
-         "--workdir", str(tmp_path)],
-        cwd=REPO, capture_output=True, text=True, timeout=600,
-    )  # fmt: skip
+        [
+            sys.executable,
+            "launch.py",
+            "--config",
+            "configs/demo.py:runlocal",
+            "--workdir",
+            str(tmp_path),
+        ],
+        cwd=REPO,
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
     assert proc.returncode == 0, proc.stderr[-3000:]
     summaries = json.loads(proc.stdout.strip().splitlines()[-1])
     records = read_jsonl(tmp_path / "sft/metrics.jsonl")

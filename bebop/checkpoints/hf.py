@@ -304,8 +304,15 @@ def load(directory, mesh, dtype="float32", scan_layers=True) -> Loaded:
 # ----------------------------------------------------------------------------- export
 
 
-def export(directory, cfg: ModelConfig, params, model_type: str, mtp_params=None,
-           mtp_format: str = "qwen3_5", max_shard_bytes: int | None = None) -> None:  # fmt: skip
+def export(
+    directory,
+    cfg: ModelConfig,
+    params,
+    model_type: str,
+    mtp_params=None,
+    mtp_format: str = "qwen3_5",
+    max_shard_bytes: int | None = None,
+) -> None:
     """Writes config.json + safetensors (sharded with an index past `max_shard_bytes`)."""
     directory = Path(directory)
     directory.mkdir(parents=True, exist_ok=True)

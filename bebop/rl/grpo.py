@@ -117,11 +117,13 @@ def policy_loss(
         per_seq = (per_tok * mask).sum(1) / jnp.maximum(mask.sum(1), 1.0)
         loss = per_seq.mean()
     was_clipped = (jnp.abs(ratio - clipped) > 0) & (ratio * adv > clipped * adv)
-    metrics.update({
-        "entropy": (ent * mask).sum() / n,
-        "clip_frac": (was_clipped * mask).sum() / n,
-        "ratio_mean": (ratio * mask).sum() / n,
-        "ratio_max": jnp.max(jnp.where(mask > 0, ratio, 0.0)),
-        "ratio_min": jnp.min(jnp.where(mask > 0, ratio, jnp.inf)),
-    })  # fmt: skip
+    metrics.update(
+        {
+            "entropy": (ent * mask).sum() / n,
+            "clip_frac": (was_clipped * mask).sum() / n,
+            "ratio_mean": (ratio * mask).sum() / n,
+            "ratio_max": jnp.max(jnp.where(mask > 0, ratio, 0.0)),
+            "ratio_min": jnp.min(jnp.where(mask > 0, ratio, jnp.inf)),
+        }
+    )
     return loss, metrics

@@ -97,8 +97,15 @@ class WeightStore:
 
 
 class RolloutWorker(threading.Thread):
-    def __init__(self, produce: Callable, store: WeightStore, out: queue.Queue, start_index: int,
-                 max_staleness: int, stop: threading.Event):  # fmt: skip
+    def __init__(
+        self,
+        produce: Callable,
+        store: WeightStore,
+        out: queue.Queue,
+        start_index: int,
+        max_staleness: int,
+        stop: threading.Event,
+    ):
         super().__init__(daemon=True, name="rollout-worker")
         self.produce, self.store, self.out = produce, store, out
         self.start_index, self.max_staleness, self.stop = start_index, max_staleness, stop

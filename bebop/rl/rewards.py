@@ -117,9 +117,14 @@ def _failure(e: BaseException) -> RewardError:
 
 
 def score(
-    reward_fn, texts: Sequence[str], problems: Sequence, timeout_s: float, retries: int,
-    on_timeout: str = "error", pool: RewardPool | None = None,
-):  # fmt: skip
+    reward_fn,
+    texts: Sequence[str],
+    problems: Sequence,
+    timeout_s: float,
+    retries: int,
+    on_timeout: str = "error",
+    pool: RewardPool | None = None,
+):
     """Rewards for a batch, computed in worker processes. A reward that raises: `RewardError`
     (after `retries` further attempts of the whole batch). Calls unfinished after `timeout_s`
     seconds are killed and retried (`retries`), then raise `RewardError` naming

@@ -76,9 +76,14 @@ def run(
 
     def greedy_accuracy(params) -> float:
         return rollout.greedy_accuracy(
-            (pol_gd, params), tok, task, cfg.seed, rl.eval_samples, cfg.rollout.max_new_tokens,
+            (pol_gd, params),
+            tok,
+            task,
+            cfg.seed,
+            rl.eval_samples,
+            cfg.rollout.max_new_tokens,
             score,
-        )  # fmt: skip
+        )
 
     acc_before = greedy_accuracy(pol_params)
     opt = make_optimizer(rl.optim, rl.steps)
@@ -115,9 +120,11 @@ def run(
 
     store = loop.WeightStore(keep=rl.max_staleness + 2)
     store.publish(
-        versions["policy"], loop.snapshot(pol_state.params), loop.snapshot(mtp_state.params),
+        versions["policy"],
+        loop.snapshot(pol_state.params),
+        loop.snapshot(mtp_state.params),
         versions["mtp"],
-    )  # fmt: skip
+    )
     scfg = rollout.sampling_config(cfg, tok)  # the learner's log-probs use the sampler's support
     learn = learner.build(cfg, pol_gd, mtp_gd, scfg, vocab, opt, mtp_opt, store, ref_params)
     strategy = learner.MTP_STRATEGIES[rl.mtp_strategy]
@@ -150,9 +157,11 @@ def run(
             versions["policy"] += 1
             with split("sync_s"):
                 store.publish(
-                    versions["policy"], loop.snapshot(pol_state.params),
-                    loop.snapshot(mtp_state.params), versions["mtp"],
-                )  # fmt: skip
+                    versions["policy"],
+                    loop.snapshot(pol_state.params),
+                    loop.snapshot(mtp_state.params),
+                    versions["mtp"],
+                )
             if rl.eval_every and (step + 1) % rl.eval_every == 0 and step + 1 < rl.steps:
                 with split("eval_s"):
                     m["eval_accuracy"] = greedy_accuracy(pol_state.params)
@@ -160,11 +169,17 @@ def run(
             for k, v in split.totals.items():
                 timer.totals[k] = timer.totals.get(k, 0.0) + v
             rec = {
-                **m, **batch.stats, **batch.timings, **split.totals, "time": time.time(),
-                "policy_version": versions["policy"], "batch_policy_version": batch.policy_version,
-                "batch_mtp_version": batch.mtp_version, "mtp_version": versions["mtp"],
+                **m,
+                **batch.stats,
+                **batch.timings,
+                **split.totals,
+                "time": time.time(),
+                "policy_version": versions["policy"],
+                "batch_policy_version": batch.policy_version,
+                "batch_mtp_version": batch.mtp_version,
+                "mtp_version": versions["mtp"],
                 "staleness": versions["policy"] - 1 - batch.policy_version,
-            }  # fmt: skip
+            }
             history.append({k: float(v) for k, v in jax.device_get(rec).items()})
             bar.update(1, int(batch.data.mask.sum()), reward=f"{batch.stats['reward_mean']:.3f}")
             if (step + 1) % rl.log_every == 0 or step + 1 == rl.steps:
@@ -221,6 +236,6 @@ def summarize(history, rl, acc_before, acc_after, rl_wall, timings, speed) -> di
         "time_s": {
             **timings,
             **{k2: float(sum(r.get(k2, 0.0) for r in history)) for k2 in ("rollout_s", "reward_s")},
-        },  # fmt: skip
+        },
         "rollout_speedup": speed,
     }

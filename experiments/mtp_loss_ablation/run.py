@@ -30,8 +30,14 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parents[2]
 LOSSES = ("ce", "kl", "reverse_kl", "tv", "e2e_tv")
 # Bebop Table 2: RS acceptance gain over CE, in points, over five benchmarks (docs/method.md §7).
-PAPER_DELTA = {"ce": "0", "kl": "≈ +0", "reverse_kl": "≤ +1.3", "tv": "+1.4 to +5.2",
-               "e2e_tv": "+2.3 to +8.0", "e2e_tv_partial": "(not in the paper)"}  # fmt: skip
+PAPER_DELTA = {
+    "ce": "0",
+    "kl": "≈ +0",
+    "reverse_kl": "≤ +1.3",
+    "tv": "+1.4 to +5.2",
+    "e2e_tv": "+2.3 to +8.0",
+    "e2e_tv_partial": "(not in the paper)",
+}
 MODELS = {
     "demo": dict(
         config="configs/demo.py",
@@ -39,20 +45,27 @@ MODELS = {
         warm_steps=100,
         steps=100,
         extra=(),
-    ),  # fmt: skip
+    ),
     "smollm2": dict(
         config="configs/mtp_smollm2.py",
         policy_stages=("distill",),
         warm_steps=40,
         steps=60,
         extra=(),
-    ),  # fmt: skip
+    ),
 }
 
 
 def launch(config: str, workdir: Path, overrides) -> dict:
-    cmd = [sys.executable, "launch.py", "--config", config, "--workdir", str(workdir),
-           *[f"--config.{o}" for o in overrides]]  # fmt: skip
+    cmd = [
+        sys.executable,
+        "launch.py",
+        "--config",
+        config,
+        "--workdir",
+        str(workdir),
+        *[f"--config.{o}" for o in overrides],
+    ]
     out = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True)
     if out.returncode:
         raise RuntimeError(f"{' '.join(cmd)} failed:\n{out.stderr[-3000:]}")
@@ -74,8 +87,10 @@ def row(after: dict) -> dict:
 
 
 def table(rows: dict) -> str:
-    head = ("| loss | RS acc. step 1 | step 2 | step 3 | RS accept len | TO acceptance | "
-            "Δ RS acc. vs CE (points) | paper Δ |\n|---|---|---|---|---|---|---|---|")  # fmt: skip
+    head = (
+        "| loss | RS acc. step 1 | step 2 | step 3 | RS accept len | TO acceptance | "
+        "Δ RS acc. vs CE (points) | paper Δ |\n|---|---|---|---|---|---|---|---|"
+    )
     lines = [head]
     for loss, r in rows.items():
         if loss not in PAPER_DELTA:
@@ -95,10 +110,17 @@ def ablate(name: str, root: Path, warm_steps: int, steps: int, overrides, losses
     base = root / "base"
     t0 = time.perf_counter()
     common = [*spec["extra"], *overrides, "mtp.warmup_loss_steps=0"]
-    base_res = launch(spec["config"], base, [
-        f"stages={(*spec['policy_stages'], 'mtp')!r}", "mtp.loss='ce'", f"mtp.steps={warm_steps}",
-        f"mtp.eval_every={warm_steps}", *common,
-    ])  # fmt: skip
+    base_res = launch(
+        spec["config"],
+        base,
+        [
+            f"stages={(*spec['policy_stages'], 'mtp')!r}",
+            "mtp.loss='ce'",
+            f"mtp.steps={warm_steps}",
+            f"mtp.eval_every={warm_steps}",
+            *common,
+        ],
+    )
     rows, wall = {"warm_start": row(base_res["mtp"]["after"])}, {}
     print(f"[{name}] warm start (CE x {warm_steps}): {rows['warm_start']}", flush=True)
     for loss in losses:
@@ -112,19 +134,34 @@ def ablate(name: str, root: Path, warm_steps: int, steps: int, overrides, losses
         for stage in spec["policy_stages"]:
             shutil.copytree(base / stage, wd / stage)
         t1 = time.perf_counter()
-        res = launch(spec["config"], wd, [
-            f"stages={(*spec['policy_stages'], 'mtp')!r}", f"mtp.loss={loss!r}",
-            f"mtp.steps={steps}", f"mtp.eval_every={steps}",
-            f"mtp.init_from={str(base / 'mtp' / 'ckpt')!r}", *common,
-        ])  # fmt: skip
+        res = launch(
+            spec["config"],
+            wd,
+            [
+                f"stages={(*spec['policy_stages'], 'mtp')!r}",
+                f"mtp.loss={loss!r}",
+                f"mtp.steps={steps}",
+                f"mtp.eval_every={steps}",
+                f"mtp.init_from={str(base / 'mtp' / 'ckpt')!r}",
+                *common,
+            ],
+        )
         rows[loss] = row(res["mtp"]["after"])
         wall[loss] = time.perf_counter() - t1
         print(f"[{name}] {loss:10s} {rows[loss]}  ({wall[loss]:.0f} s)", flush=True)
     total = time.perf_counter() - t0
-    print(f"\n{name}: warm start CE x {warm_steps} steps, then {steps} steps per loss; "
-          f"{total / 60:.1f} min\n{table(rows)}\n", flush=True)  # fmt: skip
-    return {"warm_steps": warm_steps, "steps": steps, "wall_s": total, "arm_wall_s": wall,
-            "rows": rows}  # fmt: skip
+    print(
+        f"\n{name}: warm start CE x {warm_steps} steps, then {steps} steps per loss; "
+        f"{total / 60:.1f} min\n{table(rows)}\n",
+        flush=True,
+    )
+    return {
+        "warm_steps": warm_steps,
+        "steps": steps,
+        "wall_s": total,
+        "arm_wall_s": wall,
+        "rows": rows,
+    }
 
 
 def main():
@@ -141,9 +178,14 @@ def main():
     out = {}
     for name in names:
         spec = MODELS[name]
-        out[name] = ablate(name, root, args.warm_steps or spec["warm_steps"],
-                           args.steps or spec["steps"], args.override,
-                           args.losses.split(","))  # fmt: skip
+        out[name] = ablate(
+            name,
+            root,
+            args.warm_steps or spec["warm_steps"],
+            args.steps or spec["steps"],
+            args.override,
+            args.losses.split(","),
+        )
     print(json.dumps(out))
 
 

@@ -25,8 +25,15 @@ VARIANTS = {
 
 
 def launch(workdir: Path, *overrides: str) -> dict:
-    cmd = [sys.executable, "launch.py", "--config", "configs/demo.py:runlocal",
-           "--workdir", str(workdir), *[f"--config.{o}" for o in overrides]]  # fmt: skip
+    cmd = [
+        sys.executable,
+        "launch.py",
+        "--config",
+        "configs/demo.py:runlocal",
+        "--workdir",
+        str(workdir),
+        *[f"--config.{o}" for o in overrides],
+    ]
     out = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, check=True)
     return json.loads(out.stdout.strip().splitlines()[-1])
 
@@ -49,8 +56,11 @@ def main():
             "accept_len": after["rejection/accept_len"],
             "accept_rate_1": after["rejection/accept_rate_1"],
         }
-        print(f"{name:15s} accept_len {results[name]['accept_len']:.2f}  "
-              f"step-1 acceptance {results[name]['accept_rate_1']:.2f}", flush=True)  # fmt: skip
+        print(
+            f"{name:15s} accept_len {results[name]['accept_len']:.2f}  "
+            f"step-1 acceptance {results[name]['accept_rate_1']:.2f}",
+            flush=True,
+        )
     print(json.dumps(results))
 
 
