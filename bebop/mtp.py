@@ -89,7 +89,8 @@ def init_from_last_layer(mtp_params, pol_params):
 
 
 def new_cache(cfg: ModelConfig, num_layers: int, batch: int, max_len: int) -> KVCache:
-    return KVCache.init(
+    """A per-layer cache (a tuple of `[B, Kv, S, Dh]` arrays per side, one per MTP layer)."""
+    return KVCache.init_per_layer(
         num_layers, batch, cfg.num_kv_heads, max_len, cfg.head_dim, DTYPES[cfg.dtype]
     )
 
@@ -119,24 +120,27 @@ def draft_head(policy, vocab_K=None) -> jax.Array:
     return head_DxV if vocab_K is None else jnp.take(head_DxV, vocab_K, axis=1)
 
 
-def extend(
-    mtp: MTP, policy, layer: int, cache: KVCache, hid_BxTxD, tokens_BxT, valid_BxS=None,
-    head_DxK=None,
-):  # fmt: skip
+def extend(mtp: MTP, policy, layer: int, cache: KVCache, hid_BxTxD, tokens_BxT, valid_BxS=None):
     """Runs MTP layer `layer` over T positions per row at the cache's lengths (no advance).
 
-    Returns (hidden out `[B, T, D]`, logits `[B, T, V]` float32, cache with that layer written).
-    `valid_BxS` optionally masks cache slots (needed when n > 1 layers leave gaps in a chain).
-    `head_DxK` (from `draft_head`): logits over a draft vocabulary `[B, T, K]` instead."""
-    kv = (cache.k[layer % mtp.num_layers], cache.v[layer % mtp.num_layers])
+    Returns (hidden out `[B, T, D]` for the next chain step, the normed output `[B, T, D]` for
+    `logits`, cache with that layer written). `valid_BxS` optionally masks cache slots (needed
+    when n > 1 layers leave gaps in a chain)."""
+    i = layer % mtp.num_layers
     positions = cache.positions(tokens_BxT.shape[1])
     emb = policy.embed_tokens(tokens_BxT)
-    out, normed, (k, v) = mtp.layer(layer)(emb, hid_BxTxD, positions, kv, cache.lengths, valid_BxS)
-    i = layer % mtp.num_layers
-    cache = cache.replace(k=cache.k.at[i].set(k), v=cache.v.at[i].set(v))
-    if head_DxK is None:
-        return out, policy.head(normed), cache
-    return out, normed.astype(jnp.float32) @ head_DxK, cache
+    kv = (cache.k[i], cache.v[i])
+    out, normed, (k, v) = mtp.layer(i)(emb, hid_BxTxD, positions, kv, cache.lengths, valid_BxS)
+    swap = lambda layers, new: layers[:i] + (new,) + layers[i + 1 :]  # noqa: E731
+    return out, normed, cache.replace(k=swap(cache.k, k), v=swap(cache.v, v))
+
+
+def logits(policy, normed_BxTxD, head_DxVd=None) -> jax.Array:
+    """Draft logits `[B, T, Vd]` float32 of normed MTP outputs: through `head_DxVd` (from
+    `draft_head`, a draft vocabulary) or the policy's own head."""
+    if head_DxVd is None:
+        return policy.head(normed_BxTxD)
+    return normed_BxTxD.astype(jnp.float32) @ head_DxVd
 
 
 # ----------------------------------------------------------------------------- draft vocabulary

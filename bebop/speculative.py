@@ -1,23 +1,35 @@
-"""Speculative sampler: MTP drafts, one policy forward verifies, per-row accept, rollback.
+"""Speculative sampler: the MTP drafts, one policy forward verifies, each row accepts by the
+rule and rolls back (docs/method.md §2).
 
-One `lax.while_loop`; each iteration, for every row (rows advance by different amounts, shapes
-stay static):
-  1. catch-up: the MTP layers consume the positions the policy accepted last iteration (backbone
-     hiddens + the tokens that followed them); the output at the last one drafts step 1;
-  2. draft Y tokens with the MTP chain (step k >= 2 feeds on step k-1's hidden);
-  3. verify: one policy forward over [pending token, d_1 .. d_Y] at the row's cache offset gives
-     p_0 .. p_Y (p_j is the target distribution of the token after position c + j);
-  4. accept by the rule, emit n_acc accepted drafts + one token from the residual (or the bonus
-     token from p_Y when all Y are accepted), cut at EOS / max_new_tokens;
-  5. roll back both caches to what the row kept.
+Shape letters (array-name suffixes): B rows, P prompt width, N max new tokens, Y drafts per cycle
+(γ), W = Y + 1 verified positions, V vocabulary, Vd draft vocabulary (= V without one), D model
+width, S cache slots.
 
-Verification rules (METHOD §2), both lossless, chosen by name from `DRAFT_RULES`; they differ
-only in how a draft token is taken from q and which q the acceptance test uses:
+One `lax.while_loop`; rows advance by different amounts, shapes stay static. A cycle is these
+phases, in this order (the functions of the same names):
+  `_catch_up`  the MTP consumes what the policy accepted last cycle (backbone hidden at t, token
+               t+1); its output at the last of these positions gives q for draft 1;
+  `_draft`     Y tokens from the MTP chain (draft k >= 2 feeds on draft k-1's hidden);
+  `_verify`    one policy forward over [pending token, d_1 .. d_Y] gives p_0 .. p_Y (p_j: the
+               target distribution of the token after position c + j);
+  `accept`     the rule's test per draft and the cycle's last token (residual or bonus);
+  `_emit`      writes the accepted drafts and that token, cut at EOS and the token budget, with
+               log-probs, entropies and acceptance statistics;
+  `_roll_back` both caches keep what the row kept; the new token becomes the pending one.
+`_init` prefills both models; `_finalise` masks what lies past each row's length.
+
+Verification rules (docs/method.md §2), both lossless, chosen by name from `DRAFT_RULES`; they
+differ only in how a draft token is taken from q and which q the acceptance test uses:
   - `rejection`:   d ~ q, accept iff u · q(d) < p(d); on the first rejection sample from
                    max(0, p - q) / Z (Z underflow -> p). Per-step acceptance Σ_v min(p, q).
   - `target_only`: d = argmax q, q treated as one-hot: accept iff u < p(d); on rejection sample
                    from p without d, renormalised. Per-step acceptance p(argmax q).
-p and q are the processed distributions (temperature / top-k / top-p applied to both).
+p and q are the processed distributions (temperature / top-k / top-p applied to both). q lives on
+the draft vocabulary; it is placed into the full vocabulary only for the residual of the one
+position that needs it.
+
+Randomness: row r's draws come from its own key fold_in(rng, r) (folded with 0 for the first
+token, with c + 1 in cycle c), so a row's sample does not depend on the other rows of its batch.
 
 Statistics per row, from what was emitted (drafts cut off by EOS or the token budget do not
 count): attempts and acceptances per draft position, a histogram of tokens emitted per verify
@@ -57,18 +69,20 @@ class SpecConfig:
     record: bool = False  # also return backbone hiddens and per-cycle accept lengths (GrowMTP)
 
 
-def _draft_rejection(key, logq_BxV, cfg: SamplingConfig):
+def _draft_rejection(key, logq_BxVd, cfg: SamplingConfig):
     """d ~ q; the acceptance test uses q itself."""
-    return draw(key, logq_BxV, cfg), jnp.exp(logq_BxV)
+    return draw(key, logq_BxVd, cfg), jnp.exp(logq_BxVd)
 
 
-def _draft_target_only(key, logq_BxV, cfg: SamplingConfig):
+def _draft_target_only(key, logq_BxVd, cfg: SamplingConfig):
     """d = argmax q; the acceptance test uses a one-hot at d."""
     del key, cfg
-    d_B = jnp.argmax(logq_BxV, axis=-1).astype(jnp.int32)
-    return d_B, jax.nn.one_hot(d_B, logq_BxV.shape[-1], dtype=jnp.float32)
+    d_B = jnp.argmax(logq_BxVd, axis=-1).astype(jnp.int32)
+    return d_B, jax.nn.one_hot(d_B, logq_BxVd.shape[-1], dtype=jnp.float32)
 
 
+# A rule maps (per-row keys, processed draft log-probs [B, Vd], config) to (draft indices into the
+# draft vocabulary [B], the q its acceptance test uses [B, Vd]).
 DRAFT_RULES = {"rejection": _draft_rejection, "target_only": _draft_target_only}
 
 
@@ -95,19 +109,32 @@ class SpecOutput:
 
 @struct.dataclass
 class _State:
-    step: jax.Array
-    tcache: model.KVCache
-    mcache: model.KVCache
+    cycle: jax.Array
+    policy_cache: model.KVCache
+    mtp_cache: model.KVCache
     pending_B: jax.Array  # last emitted token, not yet seen by the policy
     catch_hid_BxWxD: jax.Array  # backbone hiddens of positions the MTP has not consumed yet
     catch_tok_BxW: jax.Array  # the token that followed each of them
     n_catch_B: jax.Array
     done_B: jax.Array
-    rng: jax.Array
     out: SampleOutput  # width N + W so per-row writes never clamp
     stats: SpecStats
     hid_buf: jax.Array | None  # [B, P+N+W, D] when recording
     cyc_buf: jax.Array | None  # [B, P+N+W]
+
+
+@dataclasses.dataclass(frozen=True)
+class _Models:
+    """What every phase reads (trace-time constants and the loop-invariant arrays)."""
+
+    policy: nnx.Module
+    layers: model.DecodeWeights
+    mtp: nnx.Module
+    head_DxVd: jax.Array  # the MTP's output projection (the draft vocabulary's columns)
+    vocab_Vd: jax.Array | None
+    scfg: SamplingConfig
+    spec: SpecConfig
+    max_len: int
 
 
 def _write_rows(buf_BxM, new_BxW, offsets_B):
@@ -121,6 +148,10 @@ def _write_rows(buf_BxM, new_BxW, offsets_B):
 
 def _take(x_BxT, idx_B):
     return jnp.take_along_axis(x_BxT, idx_B.reshape((-1,) + (1,) * (x_BxT.ndim - 1)), axis=1)[:, 0]
+
+
+def _fold(keys_B, data: int):
+    return jax.vmap(jax.random.fold_in, (0, None))(keys_B, data)
 
 
 def _emit_limits(tokens_BxW, n_emit_B, out_len_B, done_B, scfg: SamplingConfig, max_new: int):
@@ -154,58 +185,57 @@ def _cycle_counts(st: SpecStats, n_acc_B, n_emit_B, live_B) -> dict:
     }
 
 
-def sample(
-    pol_gd, pol_params, mtp_gd, mtp_params, prompt_BxP, prompt_lens_B, rng, scfg, spec,
-    draft_vocab=None, layers=None,
-):  # fmt: skip
-    """Speculative sampling; same outputs as `sampling.sample` plus `SpecStats`.
-    Jit with `pol_gd`, `mtp_gd`, `scfg`, `spec` static.
+def accept(keys_B, logp_BxWxV, q_BxYxVd, d_idx_BxY, drafts_BxY, scfg, vocab_Vd=None):
+    """The verification of one cycle, for either rule (its q): returns (accepted drafts n_acc
+    `[B]`, the cycle's last token `[B]`).
 
-    `draft_vocab` (int32 `[K]`, distinct token ids) restricts the MTP's head to K tokens: q is a
-    distribution over them, placed into the full vocabulary (0 elsewhere) before the acceptance
-    test and the residual, which stay exact -- the output distribution is unchanged.
-    `layers`: the policy's `model.decode_layers`, made once per parameter version by a caller
-    that samples repeatedly (made here otherwise: a copy of every weight per call)."""
-    policy = nnx.merge(pol_gd, pol_params)
-    if layers is None:
-        layers = model.decode_layers(pol_gd, pol_params)
-    mtp = nnx.merge(mtp_gd, mtp_params)
-    rule = DRAFT_RULES[spec.rule]
-    head_DxK = None if draft_vocab is None else mtp_lib.draft_head(policy, draft_vocab)
+    Draft j (1-based) is accepted iff u_j · q_j(d_j) < p_{j-1}(d_j), u_j ~ U[0, 1), and every
+    draft before it was: for d_j ~ q_j the acceptance probability is Σ_v min(p_{j-1}, q_j). The
+    last token comes from the residual max(0, p_n - q_{n+1}) / Z at the first rejection n (p_n
+    itself if Z underflows), or from p_Y (the bonus) when all Y drafts are accepted; either way the
+    emitted token is distributed as p (docs/method.md §2).
 
-    def draft_rule(key, logq_BxK, cfg):
-        d_B, q_BxK = rule(key, logq_BxK, cfg)
-        if draft_vocab is None:
-            return d_B, q_BxK
-        q_BxV = jnp.zeros((q_BxK.shape[0], policy.cfg.vocab_size), q_BxK.dtype)
-        return draft_vocab[d_B], q_BxV.at[:, draft_vocab].set(q_BxK)
+    `logp_BxWxV`: processed policy log-probs p_0 .. p_Y; `q_BxYxVd`: the q of each draft's test
+    on the draft vocabulary `vocab_Vd` (token ids; None: the full vocabulary), `d_idx_BxY` the
+    drafts' indices into it and `drafts_BxY` their token ids; `keys_B`: one key per row."""
+    b, y = drafts_BxY.shape
+    logp_at_d_BxY = jnp.take_along_axis(logp_BxWxV[:, :y], drafts_BxY[..., None], -1)[..., 0]
+    q_at_d_BxY = jnp.take_along_axis(q_BxYxVd, d_idx_BxY[..., None], -1)[..., 0]
+    u_BxY = jax.vmap(lambda k: jax.random.uniform(k, (y,)))(_fold(keys_B, 0))
+    ok_BxY = u_BxY * q_at_d_BxY < jnp.exp(logp_at_d_BxY)
+    n_acc_B = jnp.sum(jnp.cumprod(ok_BxY.astype(jnp.int32), axis=1), axis=1)
+    # The residual of the first rejected position only (q = 0 past the drafts: the bonus).
+    p_sel_BxV = jnp.exp(_take(logp_BxWxV, n_acc_B))
+    q_sel_BxVd = _take(jnp.concatenate([q_BxYxVd, jnp.zeros_like(q_BxYxVd[:, :1])], 1), n_acc_B)
+    if vocab_Vd is not None:
+        q_sel_BxVd = jnp.zeros_like(p_sel_BxV).at[:, vocab_Vd].set(q_sel_BxVd)
+    resid_BxV = jnp.maximum(p_sel_BxV - q_sel_BxVd, 0.0)
+    z_ok_B = resid_BxV.sum(-1) > 1e-12
+    resid_BxV = jnp.where(z_ok_B[:, None], resid_BxV, p_sel_BxV)
+    return n_acc_B, draw(_fold(keys_B, 1), jnp.log(resid_BxV), scfg)
 
-    y, w = spec.num_draft, spec.num_draft + 1
-    n_mtp = mtp.num_layers
+
+def _init(m: _Models, pol_gd, pol_params, prompt_BxP, prompt_lens_B, row_keys_B) -> _State:
+    """Prefills the policy (the first token comes from the last prompt position) and the MTP on
+    positions 0 .. P_b-2 (hidden at t, token t+1); position P_b-1 waits in the catch-up buffer
+    with the first sampled token."""
+    policy, scfg, spec = m.policy, m.scfg, m.spec
     b, p = prompt_BxP.shape
-    n = scfg.max_new_tokens
-    max_len = p + n + w
-
-    # Prefill the policy; the first token comes from the last prompt position.
-    last_BxV, hid_BxPxD, tcache = model.prefill_last(
-        pol_gd, pol_params, prompt_BxP, prompt_lens_B, max_len, layers
+    n, w, y = scfg.max_new_tokens, spec.num_draft + 1, spec.num_draft
+    last_BxV, hid_BxPxD, policy_cache = model.prefill_last(
+        pol_gd, pol_params, prompt_BxP, prompt_lens_B, m.max_len, m.layers
     )
-    rng, key = jax.random.split(rng)
-    first_B = draw(key, process_logits(last_BxV, scfg), scfg)
+    first_B = draw(_fold(row_keys_B, 0), process_logits(last_BxV, scfg), scfg)
     first_logp_BxV = stats_logprobs(last_BxV, scfg)
 
-    # Prefill the MTP on positions 0 .. P_b-2 (hidden at p, token p+1); P_b-1 waits in the
-    # catch-up buffer together with the first sampled token.
     next_tok_BxP = jnp.concatenate([prompt_BxP[:, 1:], prompt_BxP[:, :1]], axis=1)
     next_tok_BxP = jnp.where(
         jnp.arange(p)[None] == (prompt_lens_B - 1)[:, None], first_B[:, None], next_tok_BxP
     )
-    mcache = mtp_lib.new_cache(policy.cfg, n_mtp, b, max_len)
-    for j in range(n_mtp):
-        _, _, mcache = mtp_lib.extend(
-            mtp, policy, j, mcache, hid_BxPxD, next_tok_BxP, head_DxK=head_DxK
-        )
-    mcache = mcache.advance(prompt_lens_B - 1)
+    mtp_cache = mtp_lib.new_cache(policy.cfg, m.mtp.num_layers, b, m.max_len)
+    for j in range(m.mtp.num_layers):
+        _, _, mtp_cache = mtp_lib.extend(m.mtp, policy, j, mtp_cache, hid_BxPxD, next_tok_BxP)
+    mtp_cache = mtp_cache.advance(prompt_lens_B - 1)
     catch_hid = jnp.zeros((b, w, policy.cfg.dim), hid_BxPxD.dtype)
     catch_hid = catch_hid.at[:, 0].set(_take(hid_BxPxD, prompt_lens_B - 1))
     catch_tok = jnp.zeros((b, w), jnp.int32).at[:, 0].set(first_B)
@@ -225,126 +255,161 @@ def sample(
         status=zeros_i.at[:, 0].set(UNDRAFTED),
         overlap=zeros_f,
     )
-    done_B = is_eos(first_B, scfg.eos_ids) | (n <= 1)
     hid_buf = cyc_buf = None
     if spec.record:
-        hid_buf = jnp.zeros((b, max_len, policy.cfg.dim), hid_BxPxD.dtype).at[:, :p].set(hid_BxPxD)
-        cyc_buf = jnp.zeros((b, max_len), jnp.int32)
-    state = _State(
-        jnp.int32(0), tcache, mcache, first_B, catch_hid, catch_tok, jnp.ones((b,), jnp.int32),
-        done_B, rng, out, stats, hid_buf, cyc_buf,
-    )  # fmt: skip
+        hid_buf = jnp.zeros((b, m.max_len, policy.cfg.dim), hid_BxPxD.dtype)
+        hid_buf = hid_buf.at[:, :p].set(hid_BxPxD)
+        cyc_buf = jnp.zeros((b, m.max_len), jnp.int32)
+    return _State(
+        cycle=jnp.int32(0),
+        policy_cache=policy_cache,
+        mtp_cache=mtp_cache,
+        pending_B=first_B,
+        catch_hid_BxWxD=catch_hid,
+        catch_tok_BxW=catch_tok,
+        n_catch_B=jnp.ones((b,), jnp.int32),
+        done_B=is_eos(first_B, scfg.eos_ids) | (n <= 1),
+        out=out,
+        stats=stats,
+        hid_buf=hid_buf,
+        cyc_buf=cyc_buf,
+    )
 
-    def body(s: _State) -> _State:
-        rng, k_draft, k_acc, k_res = jax.random.split(s.rng, 4)
-        c_B = s.tcache.lengths
-        live_B = ~s.done_B
 
-        # 1. catch-up (every MTP layer keeps its cache complete); layer 0 drafts step 1.
-        mcache = s.mcache
-        for j in range(n_mtp):
-            out_j, logits_j, mcache = mtp_lib.extend(
-                mtp, policy, j, mcache, s.catch_hid_BxWxD, s.catch_tok_BxW, head_DxK=head_DxK
+def _catch_up(m: _Models, s: _State):
+    """Every MTP layer consumes the catch-up buffer (so each keeps its cache complete); layer 0's
+    output at the row's last consumed position starts the chain. Returns (hidden `[B, 1, D]`,
+    draft-1 logits `[B, Vd]`, MTP cache)."""
+    mtp_cache = s.mtp_cache
+    last_B = jnp.maximum(s.n_catch_B - 1, 0)
+    for j in range(m.mtp.num_layers):
+        out_BxWxD, normed_BxWxD, mtp_cache = mtp_lib.extend(
+            m.mtp, m.policy, j, mtp_cache, s.catch_hid_BxWxD, s.catch_tok_BxW
+        )
+        if j == 0:  # only the last position drafts: one head projection per row
+            hid_Bx1xD = _take(out_BxWxD, last_B)[:, None]
+            normed_Bx1xD = _take(normed_BxWxD, last_B)[:, None]
+            logits_BxVd = mtp_lib.logits(m.policy, normed_Bx1xD, m.head_DxVd)
+    return hid_Bx1xD, logits_BxVd[:, 0], mtp_cache.advance(s.n_catch_B)
+
+
+def _draft(m: _Models, hid_Bx1xD, logits_BxVd, mtp_cache, anchor_B, keys_B):
+    """Y drafts from the chain. Returns (token ids `[B, Y]`, indices into the draft vocabulary
+    `[B, Y]`, the rule's q `[B, Y, Vd]`); the MTP cache is rolled back to `anchor_B` after."""
+    n_mtp, y, b = m.mtp.num_layers, m.spec.num_draft, anchor_B.shape[0]
+    rule = DRAFT_RULES[m.spec.rule]
+    idx, toks, qs = [], [], []
+    for k in range(1, y + 1):
+        if k > 1:
+            layer = (k - 1) % n_mtp
+            valid = None
+            if n_mtp > 1:  # this layer's chain entries of this cycle, plus accepted slots
+                own = jnp.asarray([i - 2 for i in range(2, k + 1) if (i - 1) % n_mtp == layer])
+                rel_BxS = jnp.arange(m.max_len)[None] - anchor_B[:, None]
+                valid = (rel_BxS < 0) | jnp.isin(rel_BxS, own)
+            hid_Bx1xD, normed_Bx1xD, mtp_cache = mtp_lib.extend(
+                m.mtp, m.policy, layer, mtp_cache, hid_Bx1xD, toks[-1][:, None], valid
             )
-            if j == 0:
-                last_B = jnp.maximum(s.n_catch_B - 1, 0)
-                hid_Bx1xD, q_logits_BxV = _take(out_j, last_B)[:, None], _take(logits_j, last_B)
-        mcache = mcache.advance(s.n_catch_B)
+            mtp_cache = mtp_cache.advance(jnp.ones((b,), jnp.int32))
+            logits_BxVd = mtp_lib.logits(m.policy, normed_Bx1xD, m.head_DxVd)[:, 0]
+        d_idx_B, q_BxVd = rule(_fold(keys_B, k), process_logits(logits_BxVd, m.scfg), m.scfg)
+        idx.append(d_idx_B)
+        toks.append(d_idx_B if m.vocab_Vd is None else m.vocab_Vd[d_idx_B])
+        qs.append(q_BxVd)
+    return (
+        jnp.stack(toks, axis=1),
+        jnp.stack(idx, axis=1),
+        jnp.stack(qs, axis=1),
+        mtp_cache.rollback(anchor_B),
+    )
 
-        # 2. draft Y tokens.
-        drafts, q_rule = [], []
-        for k in range(1, y + 1):
-            if k > 1:
-                layer = (k - 1) % n_mtp
-                valid = None
-                if n_mtp > 1:  # this layer's chain entries of this cycle, plus accepted slots
-                    own = jnp.asarray([i - 2 for i in range(2, k + 1) if (i - 1) % n_mtp == layer])
-                    rel_BxS = jnp.arange(max_len)[None] - c_B[:, None]
-                    valid = (rel_BxS < 0) | jnp.isin(rel_BxS, own)
-                out_k, logits_k, mcache = mtp_lib.extend(
-                    mtp, policy, layer, mcache, hid_Bx1xD, drafts[-1][:, None], valid, head_DxK
-                )
-                mcache = mcache.advance(jnp.ones((b,), jnp.int32))
-                hid_Bx1xD, q_logits_BxV = out_k, logits_k[:, 0]
-            logq_BxV = process_logits(q_logits_BxV, scfg)
-            d_B, q_BxV = draft_rule(jax.random.fold_in(k_draft, k), logq_BxV, scfg)
-            drafts.append(d_B)
-            q_rule.append(q_BxV)
-        mcache = mcache.rollback(c_B)
-        drafts_BxY = jnp.stack(drafts, axis=1)
-        q_BxYxV = jnp.stack(q_rule, axis=1)
 
-        # 3. verify all W positions with one policy forward.
-        v_tok_BxW = jnp.concatenate([s.pending_B[:, None], drafts_BxY], axis=1)
-        t_logits_BxWxV, t_hid_BxWxD, tcache = policy(
-            v_tok_BxW, s.tcache.positions(w), s.tcache, layers
-        )
-        tcache = tcache.advance(jnp.full((b,), w, jnp.int32))
-        logp_BxWxV = process_logits(t_logits_BxWxV, scfg)
-        p_BxWxV = jnp.exp(logp_BxWxV)
+def _verify(m: _Models, s: _State, drafts_BxY):
+    """One policy forward over [pending, d_1 .. d_Y] at each row's offset. Returns (logits
+    `[B, W, V]`, backbone hiddens `[B, W, D]`, policy cache advanced by W)."""
+    w = drafts_BxY.shape[1] + 1
+    tok_BxW = jnp.concatenate([s.pending_B[:, None], drafts_BxY], axis=1)
+    positions_BxW = s.policy_cache.positions(w)
+    logits_BxWxV, hid_BxWxD, cache = m.policy(tok_BxW, positions_BxW, s.policy_cache, m.layers)
+    return logits_BxWxV, hid_BxWxD, cache.advance(jnp.full((tok_BxW.shape[0],), w, jnp.int32))
 
-        # 4. accept.
-        p_at_d_BxY = jnp.take_along_axis(p_BxWxV[:, :y], drafts_BxY[..., None], -1)[..., 0]
-        q_at_d_BxY = jnp.take_along_axis(q_BxYxV, drafts_BxY[..., None], -1)[..., 0]
-        u_BxY = jax.random.uniform(k_acc, (b, y))
-        ok_BxY = u_BxY * q_at_d_BxY < p_at_d_BxY
-        n_acc_B = jnp.sum(jnp.cumprod(ok_BxY.astype(jnp.int32), axis=1), axis=1)
-        p_sel_BxV = _take(p_BxWxV, n_acc_B)
-        q_pad_BxWxV = jnp.concatenate([q_BxYxV, jnp.zeros_like(q_BxYxV[:, :1])], axis=1)
-        resid_BxV = jnp.maximum(p_sel_BxV - _take(q_pad_BxWxV, n_acc_B), 0.0)
-        z_ok_B = resid_BxV.sum(-1) > 1e-12
-        resid_BxV = jnp.where(z_ok_B[:, None], resid_BxV, p_sel_BxV)
-        log_resid = jnp.log(resid_BxV)
-        z_B = draw(k_res, log_resid, scfg)
 
-        idx_W = jnp.arange(w)[None]
-        drafts_pad_BxW = jnp.concatenate([drafts_BxY, drafts_BxY[:, :1]], axis=1)
-        emit_BxW = jnp.where(idx_W < n_acc_B[:, None], drafts_pad_BxW, z_B[:, None])
-        n_emit_B, finished_B = _emit_limits(emit_BxW, n_acc_B + 1, s.out.lengths, s.done_B, scfg, n)
+def _emit(m: _Models, s: _State, drafts_BxY, n_acc_B, next_B, logits_BxWxV, logp_BxWxV, q_BxYxVd):
+    """Writes each row's emitted tokens (accepted drafts, then `next_B`; cut at EOS and the
+    budget) with their log-probs, entropies, status and overlap. Returns (out, stats, tokens
+    `[B, W]` as emitted, n_emit `[B]`, finished `[B]`)."""
+    scfg, y = m.scfg, drafts_BxY.shape[1]
+    b = drafts_BxY.shape[0]
+    live_B = ~s.done_B
+    idx_W = jnp.arange(y + 1)[None]
+    drafts_pad_BxW = jnp.concatenate([drafts_BxY, drafts_BxY[:, :1]], axis=1)
+    emit_BxW = jnp.where(idx_W < n_acc_B[:, None], drafts_pad_BxW, next_B[:, None])
+    n_emit_B, finished_B = _emit_limits(
+        emit_BxW, n_acc_B + 1, s.out.lengths, s.done_B, scfg, scfg.max_new_tokens
+    )
+    slogp_BxWxV = logp_BxWxV if scfg.temperature > 0 else stats_logprobs(logits_BxWxV, scfg)
+    lp_BxW = jnp.take_along_axis(slogp_BxWxV, emit_BxW[..., None], -1)[..., 0]
+    status_BxW = jnp.where(
+        idx_W < n_acc_B[:, None], ACCEPTED, jnp.where(n_acc_B[:, None] < y, REJECTED, UNDRAFTED)
+    )
+    # Σ_v min(p, q) over the draft vocabulary (q is 0 outside it).
+    logp_d_BxYxVd = logp_BxWxV[:, :y] if m.vocab_Vd is None else logp_BxWxV[:, :y, m.vocab_Vd]
+    overlap_BxY = jnp.sum(jnp.minimum(jnp.exp(logp_d_BxYxVd), q_BxYxVd), axis=-1)
+    overlap_BxW = jnp.concatenate([overlap_BxY, jnp.zeros((b, 1))], axis=1)
+    overlap_BxW = jnp.where(status_BxW == UNDRAFTED, 0.0, overlap_BxW)
+    o, st, off = s.out, s.stats, s.out.lengths
+    o = o.replace(
+        tokens=_write_rows(o.tokens, emit_BxW, off),
+        logprobs=_write_rows(o.logprobs, lp_BxW, off),
+        entropy=_write_rows(o.entropy, entropy(slogp_BxWxV), off),
+        lengths=off + n_emit_B,
+    )
+    st = st.replace(
+        **_cycle_counts(st, n_acc_B, n_emit_B, live_B),
+        status=_write_rows(st.status, status_BxW, off),
+        overlap=_write_rows(st.overlap, overlap_BxW, off),
+    )
+    return o, st, emit_BxW, finished_B
 
-        # 5. outputs and statistics.
-        slogp_BxWxV = logp_BxWxV if scfg.temperature > 0 else stats_logprobs(t_logits_BxWxV, scfg)
-        lp_BxW = jnp.take_along_axis(slogp_BxWxV, emit_BxW[..., None], -1)[..., 0]
-        status_BxW = jnp.where(
-            idx_W < n_acc_B[:, None], ACCEPTED, jnp.where(n_acc_B[:, None] < y, REJECTED, UNDRAFTED)
-        )
-        overlap_BxY = jnp.sum(jnp.minimum(p_BxWxV[:, :y], q_BxYxV), axis=-1)
-        overlap_BxW = jnp.concatenate([overlap_BxY, jnp.zeros((b, 1))], axis=1)
-        overlap_BxW = jnp.where(status_BxW == UNDRAFTED, 0.0, overlap_BxW)
-        o, st, off = s.out, s.stats, s.out.lengths
-        o = o.replace(
-            tokens=_write_rows(o.tokens, emit_BxW, off),
-            logprobs=_write_rows(o.logprobs, lp_BxW, off),
-            entropy=_write_rows(o.entropy, entropy(slogp_BxWxV), off),
-            lengths=off + n_emit_B,
-        )
-        st = st.replace(
-            **_cycle_counts(st, n_acc_B, n_emit_B, live_B),
-            status=_write_rows(st.status, status_BxW, off),
-            overlap=_write_rows(st.overlap, overlap_BxW, off),
-        )
 
-        # 6. roll back: the policy keeps pending + accepted drafts; z becomes the pending token.
-        new_c_B = jnp.where(live_B, c_B + n_acc_B + 1, c_B)
-        tcache = tcache.rollback(new_c_B)
-        hid_buf, cyc_buf = s.hid_buf, s.cyc_buf
-        if spec.record:  # done rows write into the spare last slot
-            hid_buf = _write_rows(hid_buf, t_hid_BxWxD, jnp.where(live_B, c_B, max_len - w))
-            anchor_B = jnp.where(live_B, c_B - 1, max_len - 1)
-            cyc_buf = _write_rows(cyc_buf, (n_acc_B + 1)[:, None], anchor_B)
-        return _State(
-            s.step + 1, tcache, mcache, jnp.where(live_B, z_B, s.pending_B), t_hid_BxWxD,
-            emit_BxW, jnp.where(live_B, n_acc_B + 1, 0), finished_B, rng, o, st, hid_buf, cyc_buf,
-        )  # fmt: skip
+def _roll_back(
+    m: _Models, s: _State, caches, n_acc_B, next_B, hid_BxWxD, emit_BxW, finished_B, outputs
+) -> _State:
+    """The policy keeps the pending token and the accepted drafts; the cycle's last token becomes
+    pending; the positions the policy kept wait for the MTP's next catch-up."""
+    policy_cache, mtp_cache = caches
+    out, stats = outputs
+    live_B = ~s.done_B
+    anchor_B = s.policy_cache.lengths
+    w = emit_BxW.shape[1]
+    policy_cache = policy_cache.rollback(jnp.where(live_B, anchor_B + n_acc_B + 1, anchor_B))
+    hid_buf, cyc_buf = s.hid_buf, s.cyc_buf
+    if m.spec.record:  # done rows write into the spare last slot
+        hid_buf = _write_rows(hid_buf, hid_BxWxD, jnp.where(live_B, anchor_B, m.max_len - w))
+        cycle_anchor_B = jnp.where(live_B, anchor_B - 1, m.max_len - 1)
+        cyc_buf = _write_rows(cyc_buf, (n_acc_B + 1)[:, None], cycle_anchor_B)
+    return _State(
+        cycle=s.cycle + 1,
+        policy_cache=policy_cache,
+        mtp_cache=mtp_cache,
+        pending_B=jnp.where(live_B, next_B, s.pending_B),
+        catch_hid_BxWxD=hid_BxWxD,
+        catch_tok_BxW=emit_BxW,
+        n_catch_B=jnp.where(live_B, n_acc_B + 1, 0),
+        done_B=finished_B,
+        out=out,
+        stats=stats,
+        hid_buf=hid_buf,
+        cyc_buf=cyc_buf,
+    )
 
-    def cond(s: _State):
-        return (s.step < n) & ~jnp.all(s.done_B)
 
-    final = jax.lax.while_loop(cond, body, state)
-    mask_BxN = jnp.arange(n)[None] < final.out.lengths[:, None]
-    o, st = final.out, final.stats
+def _finalise(m: _Models, s: _State, prompt_width: int) -> SpecOutput:
+    n = m.scfg.max_new_tokens
+    mask_BxN = jnp.arange(n)[None] < s.out.lengths[:, None]
+    o, st = s.out, s.stats
     sample_out = SampleOutput(
-        tokens=jnp.where(mask_BxN, o.tokens[:, :n], scfg.pad_id),
+        tokens=jnp.where(mask_BxN, o.tokens[:, :n], m.scfg.pad_id),
         logprobs=jnp.where(mask_BxN, o.logprobs[:, :n], 0.0),
         entropy=jnp.where(mask_BxN, o.entropy[:, :n], 0.0),
         lengths=o.lengths,
@@ -353,9 +418,72 @@ def sample(
         status=jnp.where(mask_BxN, st.status[:, :n], -1),
         overlap=jnp.where(mask_BxN, st.overlap[:, :n], 0.0),
     )
-    if not spec.record:
+    if not m.spec.record:
         return SpecOutput(sample_out, stats)
-    return SpecOutput(sample_out, stats, final.hid_buf[:, : p + n], final.cyc_buf[:, : p + n])
+    width = prompt_width + n
+    return SpecOutput(sample_out, stats, s.hid_buf[:, :width], s.cyc_buf[:, :width])
+
+
+def sample(
+    pol_gd, pol_params, mtp_gd, mtp_params, prompt_BxP, prompt_lens_B, rng, scfg, spec,
+    draft_vocab=None, layers=None,
+):  # fmt: skip
+    """Speculative sampling; same outputs as `sampling.sample` plus `SpecStats`.
+    Jit with `pol_gd`, `mtp_gd`, `scfg`, `spec` static.
+
+    `draft_vocab` (int32 `[Vd]`, distinct token ids) restricts the MTP's head to Vd tokens: q is
+    a distribution over them, placed into the full vocabulary (0 elsewhere) for the residual, so
+    the acceptance test and the residual stay exact -- the output distribution is unchanged.
+    `layers`: the policy's `model.decode_layers`, made once per parameter version by a caller
+    that samples repeatedly (made here otherwise: a copy of every weight per call)."""
+    policy = nnx.merge(pol_gd, pol_params)
+    b, p = prompt_BxP.shape
+    vocab_Vd = None if draft_vocab is None else jnp.asarray(draft_vocab, jnp.int32)
+    layers = model.decode_layers(pol_gd, pol_params) if layers is None else layers
+    m = _Models(
+        policy=policy,
+        layers=layers,
+        mtp=nnx.merge(mtp_gd, mtp_params),
+        head_DxVd=layers.head_DxV if vocab_Vd is None else mtp_lib.draft_head(policy, vocab_Vd),
+        vocab_Vd=vocab_Vd,
+        scfg=scfg,
+        spec=spec,
+        max_len=p + scfg.max_new_tokens + spec.num_draft + 1,
+    )
+    row_keys_B = jax.vmap(jax.random.fold_in, (None, 0))(rng, jnp.arange(b))
+    state = _init(m, pol_gd, pol_params, prompt_BxP, prompt_lens_B, row_keys_B)
+
+    def cycle(s: _State) -> _State:
+        keys_B = _fold(row_keys_B, s.cycle + 1)  # 0: the first token
+        hid_Bx1xD, logits_BxVd, mtp_cache = _catch_up(m, s)
+        anchor_B = s.policy_cache.lengths
+        drafts_BxY, d_idx_BxY, q_BxYxVd, mtp_cache = _draft(
+            m, hid_Bx1xD, logits_BxVd, mtp_cache, anchor_B, keys_B
+        )
+        logits_BxWxV, hid_BxWxD, policy_cache = _verify(m, s, drafts_BxY)
+        logp_BxWxV = process_logits(logits_BxWxV, scfg)
+        n_acc_B, next_B = accept(
+            _fold(keys_B, 0), logp_BxWxV, q_BxYxVd, d_idx_BxY, drafts_BxY, scfg, vocab_Vd
+        )
+        out, stats, emit_BxW, finished_B = _emit(
+            m, s, drafts_BxY, n_acc_B, next_B, logits_BxWxV, logp_BxWxV, q_BxYxVd
+        )
+        return _roll_back(
+            m,
+            s,
+            (policy_cache, mtp_cache),
+            n_acc_B,
+            next_B,
+            hid_BxWxD,
+            emit_BxW,
+            finished_B,
+            (out, stats),
+        )
+
+    def running(s: _State):
+        return (s.cycle < scfg.max_new_tokens) & ~jnp.all(s.done_B)
+
+    return _finalise(m, jax.lax.while_loop(running, cycle, state), p)
 
 
 sample_jit = jax.jit(sample, static_argnames=("pol_gd", "mtp_gd", "scfg", "spec"))

@@ -9,14 +9,18 @@ rows cycles through them (B=1: 16 runs of one prompt), so acceptance is averaged
 Grid: batch sizes x γ x temperatures x rules (flags). Per cell: tokens/s, speedup over the plain
 sampler, accept length (tokens per target forward), per-position acceptance, and the
 efficiency = measured speedup / predicted speedup, where
-predicted = accept_len * t_step / (t_verify(γ+1) + γ * t_draft) from the measured cost of one
-plain decode step, one (γ+1)-token verify forward and one MTP draft step (catch-up + γ-1 chain
-steps = γ MTP calls per cycle). Last line: one JSON object.
+predicted = (plain loop steps * t_step) / (speculative loop cycles * (t_verify(γ+1) + γ t_draft)):
+t_step is the plain sampler's own time per loop step; t_verify and t_draft are timed as jitted
+loops of that one forward the way the samplers run it (prepared weights, carried cache, outputs
+used); loop steps and cycles are counted until each batch's slowest row ends. Both samplers get
+the decode weights prepared once (`model.decode_layers_jit`), as RL and distillation do.
+Last line: one JSON object.
 """
 
 from __future__ import annotations
 
 import argparse
+import functools
 import json
 import sys
 import time
@@ -46,28 +50,47 @@ def best_time(fn, repeats):
     return best
 
 
-def step_costs(pol, mtp, vocab, batch, context, gammas, repeats=5):
-    """Seconds for one plain decode step, one (γ+1)-token verify, one MTP draft step."""
+def loop_costs(pol, layers, mtp, vocab, batch, context, gammas, iters=16, repeats=3):
+    """Seconds per iteration of a (γ+1)-token verify and of one MTP draft step, each timed as a
+    jitted loop of `iters` iterations the way the samplers run them (weights prepared once, the
+    cache carried through the loop, every output feeding the next iteration so that nothing is
+    dead code)."""
     cfg = model.graphdef_config(*pol)
-    cache = model.new_cache(cfg, batch, context + 16)
+    cache = model.new_cache(cfg, batch, context + iters + max(gammas) + 2)
     cache = cache.replace(lengths=jnp.full((batch,), context, jnp.int32))
-    extend = jax.jit(model.extend, static_argnums=0)
-    res = {"step": best_time(lambda: extend(*pol, cache, jnp.ones((batch, 1), jnp.int32)), repeats)}
-    for g in gammas:
-        toks = jnp.ones((batch, g + 1), jnp.int32)
-        res[f"verify_{g}"] = best_time(lambda t=toks: extend(*pol, cache, t), repeats)
-    mcache = mtp_lib.new_cache(cfg, nnx.merge(*mtp).num_layers, batch, context + 16)
+
+    @functools.partial(jax.jit, static_argnums=3)
+    def verify(params, layers, cache, width):
+        def body(_, carry):
+            c, tok_B = carry
+            toks = jnp.broadcast_to(tok_B[:, None], (batch, width))
+            logits, _, c2 = model.extend(pol[0], params, c, toks, None, layers)
+            return c2.rollback(c.lengths + 1), sampling.argmax(logits[:, -1])
+
+        return jax.lax.fori_loop(0, iters, body, (cache, jnp.ones((batch,), jnp.int32)))
+
+    res = {}
+    for w in sorted({1, *[g + 1 for g in gammas]}):
+        fn = functools.partial(verify, pol[1], layers, cache, w)
+        res[f"verify_{w}"] = best_time(fn, repeats) / iters
+    mcache = mtp_lib.new_cache(cfg, nnx.merge(*mtp).num_layers, batch, context + iters + 2)
     mcache = mcache.replace(lengths=jnp.full((batch,), context, jnp.int32))
 
     @jax.jit
     def draft(pp, mp, c):
         policy, m = nnx.merge(pol[0], pp), nnx.merge(mtp[0], mp)
-        hid = jnp.zeros((batch, 1, cfg.dim), jnp.float32)
-        head = None if vocab is None else mtp_lib.draft_head(policy, vocab)
-        one = jnp.ones((batch, 1), jnp.int32)
-        return mtp_lib.extend(m, policy, 0, c, hid, one, head_DxK=head)[1]
+        head = layers.head_DxV if vocab is None else mtp_lib.draft_head(policy, vocab)
 
-    res["draft"] = best_time(lambda: draft(pol[1], mtp[1], mcache), repeats)
+        def body(_, carry):
+            c, hid, tok_B = carry
+            out, normed, c = mtp_lib.extend(m, policy, 0, c, hid, tok_B[:, None])
+            logits = mtp_lib.logits(policy, normed, head)[:, 0]
+            return c.advance(jnp.ones((batch,), jnp.int32)), out, sampling.argmax(logits)
+
+        init = (c, jnp.zeros((batch, 1, cfg.dim), jnp.float32), jnp.ones((batch,), jnp.int32))
+        return jax.lax.fori_loop(0, iters, body, init)
+
+    res["draft"] = best_time(lambda: draft(pol[1], mtp[1], mcache), repeats) / iters
     return res
 
 
@@ -142,11 +165,12 @@ def main():
     pol, mtp, vocab, tok, ids, mtp_source = load_models(args, mesh)
     vocab = None if vocab is None else jnp.asarray(vocab)
     all_toks, all_lens = sampling.pad_prompts(ids, tok.pad_id)  # one width: one compilation
+    layers = model.decode_layers_jit(*pol)  # once, as RL and distillation do
     rows = []
     for b in args.batches:
         parts = batches(all_toks, all_lens, b)
-        costs = step_costs(
-            pol, mtp, vocab, b, int(all_toks.shape[1]) + args.new_tokens // 2, gammas
+        costs = loop_costs(
+            pol, layers, mtp, vocab, b, int(all_toks.shape[1]) + args.new_tokens // 2, gammas
         )
         for temp in temps:
             scfg = sampling.SamplingConfig(
@@ -156,34 +180,43 @@ def main():
             keys = jax.random.split(jax.random.key(0), len(parts))
 
             def plain(t, ln, i, scfg=scfg, keys=keys):
-                return sampling.sample_jit(*pol, t, ln, keys[i], scfg)
+                return sampling.sample_jit(*pol, t, ln, keys[i], scfg, layers)
 
             t_plain, outs = timed_pass(plain, parts, args.repeats)
             plain_tps = sum(int(o.lengths.sum()) for o in outs) / t_plain
+            # The plain loop runs until its longest row ends: one step per token of that row.
+            plain_steps = sum(int(o.lengths.max()) for o in outs)
+            t_step = t_plain / plain_steps
             for g in gammas:
                 for rule in rules:
                     spec = speculative.SpecConfig(g, rule)
 
                     def run(t, ln, i, spec=spec, scfg=scfg, keys=keys):
-                        return speculative.sample_jit(*pol, *mtp, t, ln, keys[i], scfg, spec, vocab)
+                        return speculative.sample_jit(
+                            *pol, *mtp, t, ln, keys[i], scfg, spec, vocab, layers
+                        )
 
                     t, outs = timed_pass(run, parts, args.repeats)
                     pooled = jax.tree.map(lambda *x: np.concatenate(x), *jax.device_get(outs))
                     summ = speculative.summarize(pooled)  # all rows of all batches
                     tps = summ["tokens"] / t
-                    predicted = (
-                        summ["accept_len"]
-                        * costs["step"]
-                        / (costs[f"verify_{g}"] + g * costs["draft"])
-                    )
+                    # Cost model: each cycle of the loop (until its slowest row ends) is one
+                    # (γ+1)-token verify + γ MTP calls (catch-up + γ-1 chain steps); each plain
+                    # step the plain sampler's own measured step.
+                    cycles = sum(int(o.stats.verify_calls.max()) for o in outs)
+                    t_cycle = costs[f"verify_{g + 1}"] + g * costs["draft"]
+                    predicted = (plain_steps * t_step) / (cycles * t_cycle)
                     row = {
                         "batch": b, "temperature": temp, "gamma": g, "rule": rule,
                         "plain_tok_s": plain_tps, "spec_tok_s": tps, "speedup": tps / plain_tps,
                         "accept_len": summ["accept_len"], "accept_rate": summ["accept_rate"],
                         **{f"accept_rate_{k}": summ[f"accept_rate_{k}"] for k in range(1, g + 1)},
                         "predicted_speedup": predicted, "efficiency": (tps / plain_tps) / predicted,
-                        "verify_cost": costs[f"verify_{g}"] / costs["step"],
-                        "draft_cost": costs["draft"] / costs["step"],
+                        "step_ms": 1e3 * t_step, "cycle_ms": 1e3 * t / cycles,
+                        "model_cycle_ms": 1e3 * t_cycle,
+                        "verify_cost": costs[f"verify_{g + 1}"] / t_step,
+                        "verify_cost_vs_1": costs[f"verify_{g + 1}"] / costs["verify_1"],
+                        "draft_cost": costs["draft"] / t_step,
                     }  # fmt: skip
                     rows.append(row)
                     per_pos = " / ".join(f"{row[f'accept_rate_{k}']:.2f}" for k in range(1, g + 1))

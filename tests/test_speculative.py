@@ -256,3 +256,68 @@ def test_same_tokens_on_one_device_and_an_8_device_mesh(devices):
         outs.append(jax.device_get(out.sample))
     np.testing.assert_array_equal(outs[0].tokens, outs[1].tokens)
     np.testing.assert_array_equal(outs[0].lengths, outs[1].lengths)
+
+
+# ----------------------------------------------------------------------------- accept (no model)
+
+P_TOY = np.array([0.40, 0.25, 0.20, 0.10, 0.05])  # target p over V = 5
+Q_TOY = np.array([0.10, 0.50, 0.05, 0.30, 0.05])  # draft q
+N_TOY = 200_000
+
+
+@pytest.mark.parametrize("vocab", [None, [4, 0, 1, 3]], ids=["full", "draft_vocab"])
+def test_accept_on_toy_distributions(vocab):
+    """`speculative.accept` with one draft d ~ q on 2e5 rows: the acceptance rate is Σ min(p, q)
+    (binomial sd 0.0011; tolerance 0.005), the token that replaces a rejected draft follows the
+    residual max(0, p - q) / Z, and the emitted token follows p (chi-square, p > 0.01 each).
+    `draft_vocab`: q on 4 of the 5 tokens (token 2 never drafted), given in draft-vocab space."""
+    rng = np.random.default_rng(0)
+    q = Q_TOY.copy()
+    if vocab is not None:
+        q[2] = 0.0
+        q /= q.sum()
+    d = rng.choice(5, size=N_TOY, p=q)
+    q_vd = q if vocab is None else q[vocab]
+    d_idx = d
+    if vocab is not None:  # token id -> index into the draft vocabulary
+        lookup = np.full(5, -1)
+        lookup[vocab] = np.arange(len(vocab))
+        d_idx = lookup[d]
+    logp = np.log(np.stack([P_TOY, P_TOY]))  # p_0 (tests d) and p_1 (the bonus)
+    keys = jax.random.split(jax.random.key(1), N_TOY)
+    scfg = sampling.SamplingConfig(temperature=1.0)
+    n_acc, nxt = jax.jit(speculative.accept, static_argnums=5)(
+        keys,
+        jnp.broadcast_to(jnp.asarray(logp, jnp.float32), (N_TOY, 2, 5)),
+        jnp.broadcast_to(jnp.asarray(q_vd, jnp.float32), (N_TOY, 1, len(q_vd))),
+        jnp.asarray(d_idx, jnp.int32)[:, None],
+        jnp.asarray(d, jnp.int32)[:, None],
+        scfg,
+        None if vocab is None else jnp.asarray(vocab, jnp.int32),
+    )
+    n_acc, nxt = np.asarray(n_acc), np.asarray(nxt)
+    assert abs(n_acc.mean() - np.minimum(P_TOY, q).sum()) < 0.005
+    resid = np.maximum(P_TOY - q, 0.0)
+    rejected = nxt[n_acc == 0]
+    pvalue, _ = _chi2_pvalue(np.bincount(rejected, minlength=5), resid / resid.sum())
+    assert pvalue > 0.01, pvalue
+    emitted = np.where(n_acc == 1, d, nxt)
+    pvalue, _ = _chi2_pvalue(np.bincount(emitted, minlength=5), P_TOY)
+    assert pvalue > 0.01, pvalue
+    # a wrong residual (p itself instead of max(0, p - q)) is detected at this sample size
+    assert _chi2_pvalue(np.bincount(rejected, minlength=5), P_TOY)[0] < 1e-6
+
+
+@pytest.mark.parametrize("rule", ["rejection", "target_only"])
+def test_a_rows_sample_does_not_depend_on_its_batch(rule):
+    """Per-row key streams: a prompt sampled alone or among other prompts (at another row index)
+    gives the same tokens when it keeps its row index's key -- here row 0 of both batches."""
+    pol, mtp = _models("agrees_often")
+    scfg = sampling.SamplingConfig(temperature=1.0, max_new_tokens=24, eos_ids=(2,))
+    toks, lens = sampling.pad_prompts(PROMPTS)
+    key, spec = jax.random.key(4), SpecConfig(3, rule)
+    run = lambda t, n: jax.device_get(speculative.sample_jit(*pol, *mtp, t, n, key, scfg, spec))  # noqa: E731
+    alone, batch = run(toks[:1], lens[:1]), run(toks, lens)
+    n = int(alone.sample.lengths[0])
+    assert n == int(batch.sample.lengths[0]) and n > 4
+    np.testing.assert_array_equal(alone.sample.tokens[0, :n], batch.sample.tokens[0, :n])
