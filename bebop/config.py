@@ -119,7 +119,7 @@ class OptimConfig:
 
 @dataclasses.dataclass(frozen=True)
 class TaskConfig:
-    """Verifiable task (see `bebop/rl/tasks.py`)."""
+    """Verifiable task (see `bebop/tasks.py`)."""
 
     name: str = "arithmetic"  # arithmetic | countdown | gsm8k | wordmath
     digits: int = 2  # difficulty knob: operand digits (arithmetic), numbers - 1 (countdown)
