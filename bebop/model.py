@@ -33,7 +33,7 @@ import jax
 import jax.numpy as jnp
 from flax import nnx, struct
 
-from bebop import kvcache
+from bebop import kvcache, sharding
 from bebop.config import ModelConfig
 from bebop.kvcache import KVCache
 
@@ -166,13 +166,12 @@ def stacked_blocks(cfg: ModelConfig, num: int, rngs: nnx.Rngs, block_cls=None) -
     block_cls = block_cls or Block
     graphdef, first = nnx.split(block_cls(cfg, rngs))
     states = [first] + [nnx.split(block_cls(cfg, rngs))[1] for _ in range(num - 1)]
-    is_var = lambda x: isinstance(x, nnx.Variable)  # noqa: E731
 
     def stack(*vs):
         axes = ("layers",) + tuple(getattr(vs[0], "axes", ()) or ())
         return vs[0].replace(value=jnp.stack([v.get_value() for v in vs]), axes=axes)
 
-    return nnx.merge(graphdef, jax.tree.map(stack, *states, is_leaf=is_var))
+    return nnx.merge(graphdef, jax.tree.map(stack, *states, is_leaf=sharding.is_var))
 
 
 def unstack(blocks) -> list:

@@ -67,6 +67,11 @@ def init(cfg: ModelConfig, num_layers: int, seed: int):
     return nnx.split(MTP(cfg, num_layers, nnx.Rngs(params=seed)))
 
 
+def abstract(cfg: ModelConfig, num_layers: int):
+    """(graphdef, params as ShapeDtypeStructs) of an MTP, without allocating weights."""
+    return nnx.split(nnx.eval_shape(lambda: MTP(cfg, num_layers, nnx.Rngs(params=0))))
+
+
 def init_from_last_layer(mtp_params, pol_params):
     """MTP parameters started from the backbone (`mtp.init = "last_layer"`): every MTP layer's
     decoder block is a copy of the policy's last block, `W_fc`'s hidden half is the identity (the

@@ -13,7 +13,6 @@ import json
 from pathlib import Path
 
 import jax
-from flax import nnx
 
 from bebop import model, sharding
 from bebop import mtp as mtp_lib
@@ -51,7 +50,7 @@ def load(cfg: RunConfig, workdir: Path, mesh):
 
 def abstract_mtp(pol_cfg: ModelConfig, num_layers: int):
     """(graphdef, params as ShapeDtypeStructs) of an MTP, without allocating weights."""
-    return nnx.split(nnx.eval_shape(lambda: mtp_lib.MTP(pol_cfg, num_layers, nnx.Rngs(params=0))))
+    return mtp_lib.abstract(pol_cfg, num_layers)
 
 
 def init_mtp(cfg: RunConfig, pol_cfg: ModelConfig, mesh, pol_params=None):

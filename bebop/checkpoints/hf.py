@@ -15,7 +15,6 @@ from pathlib import Path
 
 import jax
 import numpy as np
-from flax import nnx
 from safetensors import safe_open
 from safetensors.numpy import save_file
 
@@ -263,7 +262,7 @@ def load_source(source, cfg: ModelConfig, mesh, mtp_layers: int | None = None) -
         limit = names.MTP_FORMATS[fmt]["max_layers"]
         if limit is not None and n > limit:
             raise CheckpointError(f"{source.label}: format {fmt} holds at most {limit} MTP layer")
-        mgd, mabs = nnx.split(nnx.eval_shape(lambda: mtp_lib.MTP(cfg, n, nnx.Rngs(params=0))))
+        mgd, mabs = mtp_lib.abstract(cfg, n)
 
         def mtp_name(path, j):
             return names.mtp_name(fmt, path[len("layers.") :], j, cfg.num_layers)
