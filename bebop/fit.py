@@ -27,7 +27,6 @@ from pathlib import Path
 
 import jax
 
-from bebop import ckpt as ckpt_lib
 from bebop import config as config_lib
 from bebop.ckpt import Checkpointer
 from bebop.config import RunConfig
@@ -201,11 +200,3 @@ def fit(
         ckpt.close()
         writer.close()
     return FitResult(state, int(state.step) - start, time.perf_counter() - t0, last, last_eval)
-
-
-def restore_params(ckpt_dir: Path, abstract_params, optimizer_or_mesh, mesh=None):
-    """`ckpt.restore_params(ckpt_dir, abstract_params, mesh)`. Also accepts the old call
-    `(ckpt_dir, abstract_params, optimizer, mesh)` (the optimizer is not needed; ignored)."""
-    return ckpt_lib.restore_params(
-        ckpt_dir, abstract_params, optimizer_or_mesh if mesh is None else mesh
-    )

@@ -158,14 +158,11 @@ def load_hf(loaded):
 
 
 def load_mtp(path, loaded, mesh):
-    from bebop import config as config_lib
+    from bebop import ckpt
     from bebop import mtp as mtp_lib
-    from bebop.fit import restore_params
-    from bebop.train import make_optimizer
 
-    mtp_gd, mtp_params = mtp_lib.init(loaded.cfg, 1, seed=0)
-    opt = make_optimizer(config_lib.OptimConfig(), 1)
-    mtp = (mtp_gd, restore_params(Path(path), mtp_params, opt, mesh))
+    mtp_gd, mtp_params = mtp_lib.abstract(loaded.cfg, 1)
+    mtp = (mtp_gd, ckpt.restore_params(Path(path), mtp_params, mesh))
     vocab = mtp_lib.load_draft_vocab(Path(path).parent, loaded.cfg.vocab_size)
     return mtp, None if vocab is None else jnp.asarray(vocab)
 
