@@ -125,6 +125,7 @@ class TaskConfig:
     digits: int = 2  # difficulty knob: operand digits (arithmetic), numbers - 1 (countdown)
     noise: float = 0.05  # fraction of SFT examples whose final answer is corrupted
     path: str = ""  # gsm8k: a JSONL file of {"question", "answer"}
+    eval_size: int = 200  # gsm8k: problems held out of training for evaluation
 
     def validate(self, p: str = "task.") -> None:
         names = ("arithmetic", "countdown", "gsm8k", "wordmath")
@@ -132,6 +133,7 @@ class TaskConfig:
         _require(1 <= self.digits <= 6, p + "digits", "must be in [1, 6]")
         _require(0.0 <= self.noise < 1.0, p + "noise", "must be in [0, 1)")
         _require(self.name != "gsm8k" or bool(self.path), p + "path", "required for gsm8k")
+        _require(self.eval_size >= 1, p + "eval_size", "must be >= 1")
 
 
 @dataclasses.dataclass(frozen=True)

@@ -82,7 +82,8 @@ def prompt_ids(cfg: RunConfig, tok, n: int, stream: str, kind: str = "task") -> 
     seed = cfg.seed + STREAMS[stream]
     if kind == "task":
         task = tasks.make_task(cfg.task)
-        return [task.prompt_ids(tok, task.problem(seed, i)) for i in range(n)]
+        problem = task.eval_problem if stream == "eval" else task.problem
+        return [task.prompt_ids(tok, problem(seed, i)) for i in range(n)]
     if kind != "mixed":
         raise ValueError(f"unknown prompt kind {kind!r} (task | mixed)")
     rng = np.random.default_rng(seed)

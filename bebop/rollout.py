@@ -51,9 +51,9 @@ def reward_scorer(rl: RLConfig):
 def greedy_accuracy(
     pol, tok, task: tasks.Task, seed: int, n: int, max_new_tokens: int, score=in_process_score
 ) -> float:
-    """Mean reward of greedy completions of the first `n` problems of the `eval` stream.
+    """Mean reward of greedy completions of the first `n` held-out problems (`eval` stream).
     `pol` = (graphdef, params); `score(reward_fn, texts, problems)` computes the rewards."""
-    probs = [task.problem(seed + prompts.STREAMS["eval"], i) for i in range(n)]
+    probs = [task.eval_problem(seed + prompts.STREAMS["eval"], i) for i in range(n)]
     ids = [task.prompt_ids(tok, p) for p in probs]
     scfg = sampling.SamplingConfig(
         temperature=0.0,

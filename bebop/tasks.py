@@ -20,6 +20,7 @@ module-level functions and problems plain dataclasses (picklable).
 from __future__ import annotations
 
 import dataclasses
+import functools
 import json
 import re
 from collections.abc import Callable
@@ -281,6 +282,11 @@ class Task:
     problem: Callable[[int, int], object]  # (seed, index) -> problem
     prompt_ids: Callable[[object, object], list[int]]  # (tokenizer, problem) -> ids
     reward: Callable[[str, object], float]  # (completion text, problem) -> reward
+    # (seed, index) -> a held-out problem; None: `problem` (generated tasks hold out by stream)
+    held_out: Callable[[int, int], object] | None = None
+
+    def eval_problem(self, seed: int, index: int):
+        return (self.held_out or self.problem)(seed, index)
 
 
 def arithmetic_prompt_ids(tok, problem: Problem) -> list[int]:
@@ -323,12 +329,31 @@ def gsm8k_prompt_ids(tok, p: WordProblem) -> list[int]:
 
 
 def gsm8k(cfg: TaskConfig) -> Task:
+    """A GSM8K-style file split once into `task.eval_size` held-out problems (a fixed seeded
+    choice: the same for every run on the file) and the rest; a stream draws the rest in a fresh
+    seeded order every epoch (each problem once per epoch), evaluation the held-out ones."""
     probs = load_gsm8k_jsonl(cfg.path)
-    if not probs:
-        raise ValueError(f"task.path={cfg.path}: no problems")
-    return Task(
-        lambda seed, i: probs[(seed * 7919 + i) % len(probs)], gsm8k_prompt_ids, gsm8k_reward
-    )
+    if len(probs) <= cfg.eval_size:
+        raise ValueError(
+            f"task.path={cfg.path}: {len(probs)} problems, need more than task.eval_size="
+            f"{cfg.eval_size} (the held-out evaluation split)"
+        )
+    split = np.random.default_rng(0).permutation(len(probs))
+    held, train = split[: cfg.eval_size], split[cfg.eval_size :]
+
+    @functools.lru_cache(maxsize=8)
+    def epoch_order(seed: int, epoch: int) -> np.ndarray:
+        return train[np.random.default_rng([seed, epoch]).permutation(len(train))]
+
+    def problem(seed: int, i: int) -> WordProblem:
+        epoch, j = divmod(i, len(train))
+        return probs[epoch_order(seed, epoch)[j]]
+
+    def held_out(seed: int, i: int) -> WordProblem:
+        del seed  # one fixed evaluation set
+        return probs[held[i % len(held)]]
+
+    return Task(problem, gsm8k_prompt_ids, gsm8k_reward, held_out)
 
 
 def wordmath_prompt_ids(tok, p: WordProblem) -> list[int]:

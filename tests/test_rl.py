@@ -20,7 +20,7 @@ from flax import nnx
 from bebop import config as config_lib
 from bebop import model, mtp_train, policies, rollout, sampling, sharding, speculative, tasks
 from bebop import mtp as mtp_lib
-from bebop.config import MeshConfig, OptimConfig
+from bebop.config import MeshConfig, OptimConfig, TaskConfig
 from bebop.metrics import read_jsonl
 from bebop.mtp_losses import mtp_loss
 from bebop.rl import grpo, learner, loop, records, rewards
@@ -206,6 +206,26 @@ def test_gsm8k_loader(tmp_path):
     f.write_text('{"question": "no answer"}\n')
     with pytest.raises(ValueError, match="g.jsonl:1"):
         tasks.load_gsm8k_jsonl(f)
+
+
+def test_gsm8k_holds_out_an_eval_split_and_shuffles_each_epoch(tmp_path):
+    """50 problems, `task.eval_size=10`: evaluation draws only the 10 held-out problems (the same
+    in every run), training streams never do; each training epoch visits the other 40 exactly
+    once, in an order that changes with the epoch and the stream's seed."""
+    f = tmp_path / "g.jsonl"
+    f.write_text("".join(f'{{"question": "q{i}", "answer": "{i}"}}\n' for i in range(50)))
+    task = tasks.make_task(TaskConfig(name="gsm8k", path=str(f), eval_size=10))
+    held = {task.eval_problem(7, i).answer for i in range(30)}
+    assert len(held) == 10
+    again = tasks.make_task(TaskConfig(name="gsm8k", path=str(f), eval_size=10))
+    assert {again.eval_problem(99, i).answer for i in range(10)} == held
+    epochs = [[task.problem(3, e * 40 + j).answer for j in range(40)] for e in range(3)]
+    for order in epochs:
+        assert len(set(order)) == 40 and not set(order) & held
+    assert epochs[0] != epochs[1] != epochs[2]
+    assert [task.problem(4, j).answer for j in range(40)] != epochs[0]
+    with pytest.raises(ValueError, match="task.eval_size=50"):
+        tasks.make_task(TaskConfig(name="gsm8k", path=str(f), eval_size=50))
 
 
 def test_failing_reward_function_fails_loudly():
