@@ -1,7 +1,7 @@
 """The embedded default pipeline: a small policy trained from scratch on synthetic arithmetic.
 
     python launch.py --config configs/demo.py            # full demo
-    python launch.py --config configs/demo.py:runlocal   # CPU smoke run (well under 2 minutes)
+    python launch.py --config configs/demo.py:runlocal   # CPU smoke run (under 2 minutes)
 
 Stages: sft (supervised training of the demo policy) -> distill (its own samples) -> mtp
 (pre-RL MTP training with the end-to-end TV loss).
@@ -39,9 +39,9 @@ def get_config(arg=None):
         c.model.update(dim=64, num_layers=2, num_heads=4, num_kv_heads=2, head_dim=16, ffw_dim=192)
         c.task.digits = 2
         c.sft.update(steps=300, batch_size=32, eval_samples=128)
-        c.distill.update(num_samples=256)
-        c.mtp.update(steps=100, warmup_loss_steps=50, eval_every=50, eval_prompts=32)
-        c.rl.update(steps=10, prompts_per_step=8, eval_samples=128)
+        c.distill.update(num_samples=128)
+        c.mtp.update(steps=50, warmup_loss_steps=25, eval_every=50, eval_prompts=32)
+        c.rl.update(steps=4, prompts_per_step=8, eval_samples=64)
     return c
 
 

@@ -430,8 +430,8 @@ def test_staleness_bound_and_step_records(pretrained, tmp_path):
     for r in recs:
         summ = speculative.summarize(captured[r["step"] - 1])
         assert [r[k] for k in keys] == [summ[k] for k in keys], r["step"]
-    # the policy starts at the reference (k3 KL 0 up to float rounding: a reference other than
-    # the RL-start policy gives ~1e-2 here); the KL term adds no non-finite update
+    # the policy starts at the reference (the same weights: k3 KL 0 up to float rounding); the KL
+    # term adds no non-finite update
     assert abs(recs[0]["kl"]) < 1e-9 and all(r["kl"] >= 0 and r["skipped"] == 0 for r in recs)
     assert all(r["lr"] == pytest.approx(cfg.rl.optim.lr) for r in recs)
     assert (np.diff([r["time"] for r in recs]) > 0).all()
