@@ -184,7 +184,7 @@ def unstack(blocks) -> list:
 
 def run_blocks(
     blocks: Block, x_BxTxD, positions_BxT, kv=None, offsets_B=None, scan=False, layers=None
-):  # fmt: skip
+):
     """Applies stacked blocks in order. `kv` is `(k, v)`, each a tuple of per-layer `[B, K, S, Dh]`
     arrays, or None. `layers`: per-layer states (`DecodeWeights.layers`), made once outside a
     decode loop. Only a cacheless call with `scan` and no `layers` scans."""
@@ -259,9 +259,14 @@ class Policy(nnx.Module):
         kv = None if cache is None else (cache.k, cache.v)
         offsets_B = None if cache is None else cache.lengths
         hidden_BxTxD, new_kv = run_blocks(
-            self.layers, x_BxTxD, positions_BxT, kv, offsets_B, self.cfg.scan_layers,
+            self.layers,
+            x_BxTxD,
+            positions_BxT,
+            kv,
+            offsets_B,
+            self.cfg.scan_layers,
             None if layers is None else layers.layers,
-        )  # fmt: skip
+        )
         new_cache = None if cache is None else cache.replace(k=new_kv[0], v=new_kv[1])
         return hidden_BxTxD, new_cache
 

@@ -425,9 +425,18 @@ def _finalise(m: _Models, s: _State, prompt_width: int) -> SpecOutput:
 
 
 def sample(
-    pol_gd, pol_params, mtp_gd, mtp_params, prompt_BxP, prompt_lens_B, rng, scfg, spec,
-    draft_vocab=None, layers=None,
-):  # fmt: skip
+    pol_gd,
+    pol_params,
+    mtp_gd,
+    mtp_params,
+    prompt_BxP,
+    prompt_lens_B,
+    rng,
+    scfg,
+    spec,
+    draft_vocab=None,
+    layers=None,
+):
     """Speculative sampling; same outputs as `sampling.sample` plus `SpecStats`.
     Jit with `pol_gd`, `mtp_gd`, `scfg`, `spec` static.
 

@@ -113,9 +113,17 @@ def spec_tok_s(loaded, layers, mtp, vocab, ids, batch, new_tokens, temperature, 
 
     def run():
         box["o"] = speculative.sample_jit(
-            loaded.graphdef, loaded.params, *mtp, toks, lens, jax.random.key(1), scfg, spec,
-            vocab, layers,
-        )  # fmt: skip
+            loaded.graphdef,
+            loaded.params,
+            *mtp,
+            toks,
+            lens,
+            jax.random.key(1),
+            scfg,
+            spec,
+            vocab,
+            layers,
+        )
         return box["o"].sample.tokens
 
     dt = alternate({"spec": run}, repeats)["spec"]
@@ -193,9 +201,13 @@ def main():
     del arrays
     t0 = time.perf_counter()
     layers = jax.block_until_ready(model.decode_layers_jit(loaded.graphdef, loaded.params))
-    res = {"device": jax.devices()[0].device_kind, "dtype": args.dtype,
-           "new_tokens": args.new_tokens, "repeats": args.repeats,
-           "decode_layers_s": time.perf_counter() - t0}  # fmt: skip
+    res = {
+        "device": jax.devices()[0].device_kind,
+        "dtype": args.dtype,
+        "new_tokens": args.new_tokens,
+        "repeats": args.repeats,
+        "decode_layers_s": time.perf_counter() - t0,
+    }
     ids = tok.chat([{"role": "user", "content": "Write a short story about a lighthouse keeper."}])
     res["prompt_tokens"] = len(ids)
     mtp = vocab = None

@@ -26,19 +26,29 @@ def from_hf_arrays(arrays: dict, cfg) -> dict:
     layers = []
     for i in range(cfg.num_layers):
         p = f"model.layers.{i}."
-        t = {k: arrays[p + n].T for k, n in (
-            ("wq", "self_attn.q_proj.weight"), ("wk", "self_attn.k_proj.weight"),
-            ("wv", "self_attn.v_proj.weight"), ("wo", "self_attn.o_proj.weight"),
-            ("wg", "mlp.gate_proj.weight"), ("wu", "mlp.up_proj.weight"),
-            ("wd", "mlp.down_proj.weight"),
-        )}  # fmt: skip
+        t = {
+            k: arrays[p + n].T
+            for k, n in (
+                ("wq", "self_attn.q_proj.weight"),
+                ("wk", "self_attn.k_proj.weight"),
+                ("wv", "self_attn.v_proj.weight"),
+                ("wo", "self_attn.o_proj.weight"),
+                ("wg", "mlp.gate_proj.weight"),
+                ("wu", "mlp.up_proj.weight"),
+                ("wd", "mlp.down_proj.weight"),
+            )
+        }
         t["n1"] = arrays[p + "input_layernorm.weight"]
         t["n2"] = arrays[p + "post_attention_layernorm.weight"]
         layers.append({k: put(v) for k, v in t.items()})
     embed = arrays["model.embed_tokens.weight"]
     head = arrays.get("lm_head.weight", embed).T
-    return {"layers": layers, "embed": put(embed), "head": put(head),
-            "norm": put(arrays["model.norm.weight"])}  # fmt: skip
+    return {
+        "layers": layers,
+        "embed": put(embed),
+        "head": put(head),
+        "norm": put(arrays["model.norm.weight"]),
+    }
 
 
 def _norm(x, w, eps):

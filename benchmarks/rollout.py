@@ -174,9 +174,11 @@ def main():
         )
         for temp in temps:
             scfg = sampling.SamplingConfig(
-                temperature=temp, max_new_tokens=args.new_tokens, eos_ids=tuple(tok.eos_ids),
+                temperature=temp,
+                max_new_tokens=args.new_tokens,
+                eos_ids=tuple(tok.eos_ids),
                 pad_id=tok.pad_id,
-            )  # fmt: skip
+            )
             keys = jax.random.split(jax.random.key(0), len(parts))
 
             def plain(t, ln, i, scfg=scfg, keys=keys):
@@ -207,17 +209,25 @@ def main():
                     t_cycle = costs[f"verify_{g + 1}"] + g * costs["draft"]
                     predicted = (plain_steps * t_step) / (cycles * t_cycle)
                     row = {
-                        "batch": b, "temperature": temp, "gamma": g, "rule": rule,
-                        "plain_tok_s": plain_tps, "spec_tok_s": tps, "speedup": tps / plain_tps,
-                        "accept_len": summ["accept_len"], "accept_rate": summ["accept_rate"],
+                        "batch": b,
+                        "temperature": temp,
+                        "gamma": g,
+                        "rule": rule,
+                        "plain_tok_s": plain_tps,
+                        "spec_tok_s": tps,
+                        "speedup": tps / plain_tps,
+                        "accept_len": summ["accept_len"],
+                        "accept_rate": summ["accept_rate"],
                         **{f"accept_rate_{k}": summ[f"accept_rate_{k}"] for k in range(1, g + 1)},
-                        "predicted_speedup": predicted, "efficiency": (tps / plain_tps) / predicted,
-                        "step_ms": 1e3 * t_step, "cycle_ms": 1e3 * t / cycles,
+                        "predicted_speedup": predicted,
+                        "efficiency": (tps / plain_tps) / predicted,
+                        "step_ms": 1e3 * t_step,
+                        "cycle_ms": 1e3 * t / cycles,
                         "model_cycle_ms": 1e3 * t_cycle,
                         "verify_cost": costs[f"verify_{g + 1}"] / t_step,
                         "verify_cost_vs_1": costs[f"verify_{g + 1}"] / costs["verify_1"],
                         "draft_cost": costs["draft"] / t_step,
-                    }  # fmt: skip
+                    }
                     rows.append(row)
                     per_pos = " / ".join(f"{row[f'accept_rate_{k}']:.2f}" for k in range(1, g + 1))
                     print(
@@ -229,10 +239,19 @@ def main():
                         flush=True,
                     )
     best = max(rows, key=lambda r: r["speedup"])
-    print(json.dumps({"model": args.model, "mtp": mtp_source, "new_tokens": args.new_tokens,
-                      "prompts": f"{args.num_prompts} {args.prompts}",
-                      "draft_vocab": None if vocab is None else int(vocab.shape[0]),
-                      "best": best, "rows": rows}))  # fmt: skip
+    print(
+        json.dumps(
+            {
+                "model": args.model,
+                "mtp": mtp_source,
+                "new_tokens": args.new_tokens,
+                "prompts": f"{args.num_prompts} {args.prompts}",
+                "draft_vocab": None if vocab is None else int(vocab.shape[0]),
+                "best": best,
+                "rows": rows,
+            }
+        )
+    )
 
 
 if __name__ == "__main__":

@@ -69,9 +69,15 @@ def test_greedy_equals_plain_sampler_token_for_token(kind, rule, num_mtp):
 
 V_SMALL = 8
 SMALL = ModelConfig(
-    vocab_size=V_SMALL, dim=16, num_layers=1, num_heads=2, num_kv_heads=1, head_dim=8,
-    ffw_dim=32, init_std=0.4,
-)  # fmt: skip
+    vocab_size=V_SMALL,
+    dim=16,
+    num_layers=1,
+    num_heads=2,
+    num_kv_heads=1,
+    head_dim=8,
+    ffw_dim=32,
+    init_std=0.4,
+)
 PROMPT = [1, 3, 5]
 N_SAMPLES = 100_000
 
@@ -198,15 +204,24 @@ def test_copy_mtp_with_a_draft_vocabulary_is_accepted_exactly_on_it():
     scfg = sampling.SamplingConfig(temperature=1.0, max_new_tokens=n, eos_ids=(-1,))
     perm = jnp.asarray(np.random.default_rng(0).permutation(CFG.vocab_size))
     toks, lens = sampling.pad_prompts(PROMPTS)
-    out = jax.device_get(speculative.sample_jit(
-        *pol, *mtp, toks, lens, jax.random.key(1), scfg, SpecConfig(y, "rejection"), perm
-    ))  # fmt: skip
+    out = jax.device_get(
+        speculative.sample_jit(
+            *pol, *mtp, toks, lens, jax.random.key(1), scfg, SpecConfig(y, "rejection"), perm
+        )
+    )
     np.testing.assert_array_equal(out.stats.accepts, out.stats.attempts)
     half = perm[: CFG.vocab_size // 2]
-    out = jax.device_get(speculative.sample_jit(
-        *pol, *mtp, *sampling.pad_prompts(PROMPTS * 8), jax.random.key(2), scfg,
-        SpecConfig(y, "rejection"), half,
-    ))  # fmt: skip
+    out = jax.device_get(
+        speculative.sample_jit(
+            *pol,
+            *mtp,
+            *sampling.pad_prompts(PROMPTS * 8),
+            jax.random.key(2),
+            scfg,
+            SpecConfig(y, "rejection"),
+            half,
+        )
+    )
     st = out.stats
     acc = st.status == ACCEPTED
     assert np.isin(out.sample.tokens[acc], np.asarray(half)).all()
