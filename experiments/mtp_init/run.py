@@ -6,7 +6,9 @@ and the benchmarks use. The random arm shares its distill data (copied, not re-s
 step-1..3 RS acceptance and accept length on held-out RL-task prompts against the training step,
 and the training batches' per-position α, from the two `metrics.jsonl`. Last line: JSON.
 
-    python experiments/mtp_init/run.py [--main runs/mtp_smollm2] [--plot_only]
+    python experiments/mtp_init/run.py [--main runs/mtp_smollm2] [--steps 300] [--plot_only]
+
+The committed results.json and plots are from `--steps 300` (the recipe's length then).
 """
 
 from __future__ import annotations
@@ -26,7 +28,7 @@ from bebop import plots  # noqa: E402
 HERE = Path(__file__).resolve().parent
 
 
-def launch(workdir: Path, *overrides: str) -> None:
+def launch(workdir: Path, steps: int, *overrides: str) -> None:
     cmd = [
         sys.executable,
         "launch.py",
@@ -34,7 +36,7 @@ def launch(workdir: Path, *overrides: str) -> None:
         "configs/mtp_smollm2.py",
         "--workdir",
         str(workdir),
-        *[f"--config.{o}" for o in overrides],
+        *[f"--config.{o}" for o in (f"mtp.steps={steps}", *overrides)],
     ]
     subprocess.run(cmd, cwd=REPO, check=True)
 
@@ -57,14 +59,16 @@ def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--main", default="runs/mtp_smollm2")
     ap.add_argument("--random", default="runs/mtp_smollm2_random")
+    ap.add_argument("--steps", type=int, default=300)
     ap.add_argument("--plot_only", action="store_true")
     args = ap.parse_args()
     main_dir, rand_dir = REPO / args.main, REPO / args.random
     if not args.plot_only:
-        launch(main_dir)  # distils, caches the target's hiddens, trains the last-layer arm
+        # distils, caches the target's hiddens, trains the last-layer arm
+        launch(main_dir, args.steps)
         # The random arm reuses the distill data and the cached target (same policy, tokens, T).
         shutil.copytree(main_dir / "distill", rand_dir / "distill", dirs_exist_ok=True)
-        launch(rand_dir, "mtp.init='random'")
+        launch(rand_dir, args.steps, "mtp.init='random'")
     arms = {"last layer": curves(main_dir), "random": curves(rand_dir)}
     setting = "SmolLM2 MTP, γ = 3, RS, T = 1"
     for key, name, prompts in [
