@@ -198,7 +198,7 @@ def accept(keys_B, logp_BxWxV, q_BxYxVd, d_idx_BxY, drafts_BxY, scfg, vocab_Vd=N
     `logp_BxWxV`: processed policy log-probs p_0 .. p_Y; `q_BxYxVd`: the q of each draft's test
     on the draft vocabulary `vocab_Vd` (token ids; None: the full vocabulary), `d_idx_BxY` the
     drafts' indices into it and `drafts_BxY` their token ids; `keys_B`: one key per row."""
-    b, y = drafts_BxY.shape
+    y = drafts_BxY.shape[1]
     logp_at_d_BxY = jnp.take_along_axis(logp_BxWxV[:, :y], drafts_BxY[..., None], -1)[..., 0]
     q_at_d_BxY = jnp.take_along_axis(q_BxYxVd, d_idx_BxY[..., None], -1)[..., 0]
     u_BxY = jax.vmap(lambda k: jax.random.uniform(k, (y,)))(_fold(keys_B, 0))
@@ -206,10 +206,10 @@ def accept(keys_B, logp_BxWxV, q_BxYxVd, d_idx_BxY, drafts_BxY, scfg, vocab_Vd=N
     n_acc_B = jnp.sum(jnp.cumprod(ok_BxY.astype(jnp.int32), axis=1), axis=1)
     # The residual of the first rejected position only (q = 0 past the drafts: the bonus).
     p_sel_BxV = jnp.exp(_take(logp_BxWxV, n_acc_B))
-    q_sel_BxVd = _take(jnp.concatenate([q_BxYxVd, jnp.zeros_like(q_BxYxVd[:, :1])], 1), n_acc_B)
-    if vocab_Vd is not None:
-        q_sel_BxVd = jnp.zeros_like(p_sel_BxV).at[:, vocab_Vd].set(q_sel_BxVd)
-    resid_BxV = jnp.maximum(p_sel_BxV - q_sel_BxVd, 0.0)
+    q_sel = _take(jnp.concatenate([q_BxYxVd, jnp.zeros_like(q_BxYxVd[:, :1])], 1), n_acc_B)
+    if vocab_Vd is not None:  # into the full vocabulary (0 off the draft vocabulary)
+        q_sel = jnp.zeros_like(p_sel_BxV).at[:, vocab_Vd].set(q_sel)
+    resid_BxV = jnp.maximum(p_sel_BxV - q_sel, 0.0)
     z_ok_B = resid_BxV.sum(-1) > 1e-12
     resid_BxV = jnp.where(z_ok_B[:, None], resid_BxV, p_sel_BxV)
     return n_acc_B, draw(_fold(keys_B, 1), jnp.log(resid_BxV), scfg)
