@@ -220,7 +220,7 @@ def _init(m: _Models, pol_gd, pol_params, prompt_BxP, prompt_lens_B, row_keys_B)
     positions 0 .. P_b-2 (hidden at t, token t+1); position P_b-1 waits in the catch-up buffer
     with the first sampled token."""
     policy, scfg, spec = m.policy, m.scfg, m.spec
-    b, p = prompt_BxP.shape
+    rows, width = prompt_BxP.shape
     n, w, y = scfg.max_new_tokens, spec.num_draft + 1, spec.num_draft
     last_BxV, hid_BxPxD, policy_cache = model.prefill_last(
         pol_gd, pol_params, prompt_BxP, prompt_lens_B, m.max_len, m.layers
@@ -230,36 +230,36 @@ def _init(m: _Models, pol_gd, pol_params, prompt_BxP, prompt_lens_B, row_keys_B)
 
     next_tok_BxP = jnp.concatenate([prompt_BxP[:, 1:], prompt_BxP[:, :1]], axis=1)
     next_tok_BxP = jnp.where(
-        jnp.arange(p)[None] == (prompt_lens_B - 1)[:, None], first_B[:, None], next_tok_BxP
+        jnp.arange(width)[None] == (prompt_lens_B - 1)[:, None], first_B[:, None], next_tok_BxP
     )
-    mtp_cache = mtp_lib.new_cache(policy.cfg, m.mtp.num_layers, b, m.max_len)
+    mtp_cache = mtp_lib.new_cache(policy.cfg, m.mtp.num_layers, rows, m.max_len)
     for j in range(m.mtp.num_layers):
         _, _, mtp_cache = mtp_lib.extend(m.mtp, policy, j, mtp_cache, hid_BxPxD, next_tok_BxP)
     mtp_cache = mtp_cache.advance(prompt_lens_B - 1)
-    catch_hid = jnp.zeros((b, w, policy.cfg.dim), hid_BxPxD.dtype)
+    catch_hid = jnp.zeros((rows, w, policy.cfg.dim), hid_BxPxD.dtype)
     catch_hid = catch_hid.at[:, 0].set(_take(hid_BxPxD, prompt_lens_B - 1))
-    catch_tok = jnp.zeros((b, w), jnp.int32).at[:, 0].set(first_B)
+    catch_tok = jnp.zeros((rows, w), jnp.int32).at[:, 0].set(first_B)
 
-    zeros_f, zeros_i = jnp.zeros((b, n + w), jnp.float32), jnp.zeros((b, n + w), jnp.int32)
+    zeros_f, zeros_i = jnp.zeros((rows, n + w), jnp.float32), jnp.zeros((rows, n + w), jnp.int32)
     out = SampleOutput(
         tokens=zeros_i.at[:, 0].set(first_B),
         logprobs=zeros_f.at[:, 0].set(_take(first_logp_BxV, first_B)),
         entropy=zeros_f.at[:, 0].set(entropy(first_logp_BxV)),
-        lengths=jnp.ones((b,), jnp.int32),
+        lengths=jnp.ones((rows,), jnp.int32),
     )
     stats = SpecStats(
-        attempts=jnp.zeros((b, y), jnp.int32),
-        accepts=jnp.zeros((b, y), jnp.int32),
-        accept_hist=jnp.zeros((b, w), jnp.int32),
-        verify_calls=jnp.zeros((b,), jnp.int32),
+        attempts=jnp.zeros((rows, y), jnp.int32),
+        accepts=jnp.zeros((rows, y), jnp.int32),
+        accept_hist=jnp.zeros((rows, w), jnp.int32),
+        verify_calls=jnp.zeros((rows,), jnp.int32),
         status=zeros_i.at[:, 0].set(UNDRAFTED),
         overlap=zeros_f,
     )
     hid_buf = cyc_buf = None
     if spec.record:
-        hid_buf = jnp.zeros((b, m.max_len, policy.cfg.dim), hid_BxPxD.dtype)
-        hid_buf = hid_buf.at[:, :p].set(hid_BxPxD)
-        cyc_buf = jnp.zeros((b, m.max_len), jnp.int32)
+        hid_buf = jnp.zeros((rows, m.max_len, policy.cfg.dim), hid_BxPxD.dtype)
+        hid_buf = hid_buf.at[:, :width].set(hid_BxPxD)
+        cyc_buf = jnp.zeros((rows, m.max_len), jnp.int32)
     return _State(
         cycle=jnp.int32(0),
         policy_cache=policy_cache,
@@ -267,7 +267,7 @@ def _init(m: _Models, pol_gd, pol_params, prompt_BxP, prompt_lens_B, row_keys_B)
         pending_B=first_B,
         catch_hid_BxWxD=catch_hid,
         catch_tok_BxW=catch_tok,
-        n_catch_B=jnp.ones((b,), jnp.int32),
+        n_catch_B=jnp.ones((rows,), jnp.int32),
         done_B=is_eos(first_B, scfg.eos_ids) | (n <= 1),
         out=out,
         stats=stats,
@@ -446,7 +446,7 @@ def sample(
     `layers`: the policy's `model.decode_layers`, made once per parameter version by a caller
     that samples repeatedly (made here otherwise: a copy of every weight per call)."""
     policy = nnx.merge(pol_gd, pol_params)
-    b, p = prompt_BxP.shape
+    rows, width = prompt_BxP.shape
     vocab_Vd = None if draft_vocab is None else jnp.asarray(draft_vocab, jnp.int32)
     layers = model.decode_layers(pol_gd, pol_params) if layers is None else layers
     m = _Models(
@@ -457,9 +457,9 @@ def sample(
         vocab_Vd=vocab_Vd,
         scfg=scfg,
         spec=spec,
-        max_len=p + scfg.max_new_tokens + spec.num_draft + 1,
+        max_len=width + scfg.max_new_tokens + spec.num_draft + 1,
     )
-    row_keys_B = jax.vmap(jax.random.fold_in, (None, 0))(rng, jnp.arange(b))
+    row_keys_B = jax.vmap(jax.random.fold_in, (None, 0))(rng, jnp.arange(rows))
     state = _init(m, pol_gd, pol_params, prompt_BxP, prompt_lens_B, row_keys_B)
 
     def cycle(s: _State) -> _State:
@@ -492,7 +492,7 @@ def sample(
     def running(s: _State):
         return (s.cycle < scfg.max_new_tokens) & ~jnp.all(s.done_B)
 
-    return _finalise(m, jax.lax.while_loop(running, cycle, state), p)
+    return _finalise(m, jax.lax.while_loop(running, cycle, state), width)
 
 
 sample_jit = jax.jit(sample, static_argnames=("pol_gd", "mtp_gd", "scfg", "spec"))
