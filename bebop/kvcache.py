@@ -1,12 +1,11 @@
 """KV cache with one length per row.
 
-Two layouts of the same pytree: the policy's cache holds a tuple of per-layer `[B, K, S, Dh]`
-arrays per side (`init_per_layer`): an unrolled decode step then updates each layer's array in
-place (a stacked `[L, B, K, S, Dh]` cache updated layer by layer cost two cache copies per layer
-per step, profiled on CPU); the MTP cache is stacked `[L, B, K, S, Dh]` (`init`; its layers are
-picked by index). Kv heads come before the sequence: measured ~8x faster attention on CPU than
-the other order. Every leaf has the batch first except the stacked layout's, so per-row
-gathers (e.g. compacting finished rows away) are one `jax.tree.map` over a per-layer cache.
+A tuple of per-layer `[B, K, S, Dh]` arrays per side (K: kv heads), for the policy and the MTP
+alike: an unrolled decode step updates each layer's array in place (a stacked `[L, B, K, S, Dh]`
+cache updated layer by layer cost two cache copies per layer per step, profiled on CPU). Kv heads
+come before the sequence: measured ~8x faster attention on CPU than the other order. Every leaf
+has the batch first, so per-row gathers (e.g. compacting finished rows away) are one
+`jax.tree.map`.
 
 Row `b` holds valid entries at cache slots `[0, lengths[b])`, and slot `s` holds the token at
 absolute position `s`. A forward over T new tokens writes them at each row's own offset
@@ -27,16 +26,9 @@ from jax import lax
 
 @struct.dataclass
 class KVCache:
-    k: jax.Array | tuple  # [L, B, K, S, Dh], or a tuple of L [B, K, S, Dh]
-    v: jax.Array | tuple
+    k: tuple  # L arrays [B, K, S, Dh]
+    v: tuple
     lengths: jax.Array  # [B] int32
-
-    @classmethod
-    def init(cls, num_layers, batch, num_kv_heads, max_len, head_dim, dtype=jnp.float32):
-        """Stacked layout `[L, B, K, S, Dh]`."""
-        shape = (num_layers, batch, num_kv_heads, max_len, head_dim)
-        zeros = jnp.zeros(shape, dtype)
-        return cls(k=zeros, v=zeros, lengths=jnp.zeros((batch,), jnp.int32))
 
     @classmethod
     def init_per_layer(cls, num_layers, batch, num_kv_heads, max_len, head_dim, dtype=jnp.float32):

@@ -73,7 +73,7 @@ def process_logits(logits_BxV: jax.Array, cfg: SamplingConfig) -> jax.Array:
     -inf outside the support. Temperature 0 is greedy: a one-hot at the argmax."""
     logits = logits_BxV.astype(jnp.float32)
     if cfg.temperature == 0:
-        top = jnp.argmax(logits, axis=-1)[..., None]
+        top = argmax(logits)[..., None]
         return jnp.where(jnp.arange(logits.shape[-1]) == top, 0.0, -jnp.inf)
     logits = logits / cfg.temperature
     if cfg.top_k and cfg.top_k < logits.shape[-1]:

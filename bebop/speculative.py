@@ -52,6 +52,7 @@ from bebop import mtp as mtp_lib
 from bebop.sampling import (
     SampleOutput,
     SamplingConfig,
+    argmax,
     draw,
     entropy,
     is_eos,
@@ -77,7 +78,7 @@ def _draft_rejection(key, logq_BxVd, cfg: SamplingConfig):
 def _draft_target_only(key, logq_BxVd, cfg: SamplingConfig):
     """d = argmax q; the acceptance test uses a one-hot at d."""
     del key, cfg
-    d_B = jnp.argmax(logq_BxVd, axis=-1).astype(jnp.int32)
+    d_B = argmax(logq_BxVd)
     return d_B, jax.nn.one_hot(d_B, logq_BxVd.shape[-1], dtype=jnp.float32)
 
 
