@@ -172,6 +172,7 @@ def _known_errors() -> tuple[type, ...]:
     from bebop.ckpt import CheckpointRestoreError
     from bebop.io import DamagedFileError
     from bebop.pipeline import WorkdirLocked
+    from bebop.tokenizer import TokenizerError
     from bebop.train import NonFiniteError
 
     return (
@@ -180,6 +181,7 @@ def _known_errors() -> tuple[type, ...]:
         WorkdirLocked,
         CheckpointRestoreError,
         CheckpointError,
+        TokenizerError,
         FileNotFoundError,
     )
 

@@ -264,7 +264,8 @@ class MTPConfig:
     eval_draft: int = 3  # γ used by the evaluation's speculative sampler
     init_from: str = ""  # an orbax MTP checkpoint directory to start from (else `init`)
     # random | last_layer: each MTP block a copy of the backbone's last block, W_fc's hidden half
-    # the identity, the output norm the final norm (`mtp.init_from_last_layer`).
+    # the identity, the output norm the final norm (`mtp.init_from_last_layer`) | checkpoint: the
+    # MTP layers the policy's HF checkpoint ships (an error if it ships none).
     init: str = "random"
     # Early stop: end training after `patience` evaluations without a new best RS accept length
     # on the held-out task prompts (0 = run all `steps`).
@@ -289,7 +290,8 @@ class MTPConfig:
             0 <= self.warmup_loss_steps <= self.steps, p + "warmup_loss_steps", "in [0, steps]"
         )
         _require(self.draft_vocab >= 0, p + "draft_vocab", "must be >= 0 (0 = full vocabulary)")
-        _require(self.init in ("random", "last_layer"), p + "init", "random | last_layer")
+        inits = ("random", "last_layer", "checkpoint")
+        _require(self.init in inits, p + "init", f"unknown {self.init!r}; known: {inits}")
         _require(self.patience >= 0, p + "patience", "must be >= 0 (0 = off)")
         _require(self.eval_mixed_prompts >= 0, p + "eval_mixed_prompts", "must be >= 0")
         self.optim.validate(p + "optim.")

@@ -59,12 +59,12 @@ def run(cfg: RunConfig, workdir: Path, mesh) -> dict:
     ddir = Path(workdir) / "distill"
     ddir.mkdir(parents=True, exist_ok=True)
     d = cfg.distill
-    graphdef, params, tok = policies.load(cfg, workdir, mesh)
+    policy = policies.load(cfg, workdir, mesh)
+    graphdef, params, tok = policy.graphdef, policy.params, policy.tok
     ids = prompts.blend(cfg, tok, d.num_samples, "distill", d.prompts, d.mixed_fraction)
     draft = None
     if d.draft_from:
-        pol_cfg = model.graphdef_config(graphdef, params)
-        mtp_gd, mtp_params, vocab = policies.load_mtp(cfg, Path(d.draft_from), pol_cfg, mesh)
+        mtp_gd, mtp_params, vocab = policies.load_mtp(cfg, Path(d.draft_from), policy.cfg, mesh)
         spec = speculative.SpecConfig(cfg.rollout.num_draft, "rejection")
         draft = (mtp_gd, mtp_params, vocab, spec)
     bar = Progress(len(ids), 0, "distill")

@@ -29,7 +29,7 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
-from bebop import data, io, model, policies, prompts, rollout, sampling, sharding, speculative
+from bebop import data, io, policies, prompts, rollout, sampling, sharding, speculative
 from bebop.config import RunConfig
 from bebop.fit import fit
 from bebop.mtp import load_draft_vocab, select_draft_vocab  # noqa: F401 - re-exported
@@ -145,9 +145,9 @@ def patience_stop(patience: int, key: str = "rejection/accept_len"):
 def run(cfg: RunConfig, workdir: Path, mesh, stop_at_step: int | None = None) -> dict:
     sdir = Path(workdir) / "mtp"
     m = cfg.mtp
-    pol_gd, pol_params, tok = policies.load(cfg, workdir, mesh)
-    pol_cfg = model.graphdef_config(pol_gd, pol_params)
-    mtp_gd, mtp_params = policies.init_mtp(cfg, pol_cfg, mesh, pol_params)
+    policy = policies.load(cfg, workdir, mesh)
+    pol_gd, pol_params, tok, pol_cfg = policy.graphdef, policy.params, policy.tok, policy.cfg
+    mtp_gd, mtp_params = policies.init_mtp(cfg, policy, mesh)
     optimizer = make_optimizer(m.optim, m.steps)
     state = sharding.replicate_unplaced(
         TrainState.create(mtp_params, optimizer, cfg.seed + 101), mesh

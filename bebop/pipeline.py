@@ -40,7 +40,7 @@ STAGE_SECTIONS = {
     "mtp": ("seed", "model", "policy", "rollout", "mtp"),
     "rl": ("seed", "model", "task", "policy", "rollout", "mtp", "rl"),
 }
-PACKAGES = ("jax", "jaxlib", "flax", "optax", "orbax-checkpoint", "grain", "numpy")
+PACKAGES = ("jax", "jaxlib", "flax", "optax", "orbax-checkpoint", "grain", "numpy", "jinja2")
 
 
 class StageConfigChanged(config_lib.ConfigError):

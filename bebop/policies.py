@@ -1,51 +1,62 @@
 """Loading what a stage runs on, without building any optimizer:
 
 - `load`: the policy (`RunConfig.policy`): this run's SFT checkpoint, a GGUF file, or a Hugging
-  Face directory. Returns (graphdef, params on the mesh, tokenizer).
-- `init_mtp`: a fresh MTP (random or from the backbone's last layer) or `mtp.init_from`;
+  Face directory, as a `LoadedPolicy` (architecture, graphdef, params on the mesh, tokenizer, and
+  the MTP layers an HF checkpoint ships).
+- `init_mtp`: the MTP a stage starts from: `mtp.init_from`, else by `mtp.init` a random one, one
+  from the backbone's last layer, or the checkpoint's shipped MTP layers (`checkpoint`);
   `load_mtp`: a trained one from an `mtp` stage's checkpoints, with its draft vocabulary.
 - `load_rl`: the policy and MTP parameters of this run's `rl` checkpoints.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import json
 from pathlib import Path
 
 import jax
+from flax import nnx
 
 from bebop import model, sharding
 from bebop import mtp as mtp_lib
+from bebop.checkpoints import LoadedPolicy
 from bebop.ckpt import restore_params, restore_partial
-from bebop.config import ModelConfig, RunConfig, check_vocab
+from bebop.config import ConfigError, ModelConfig, RunConfig, check_vocab
 from bebop.tokenizer import BPETokenizer, CharTokenizer
 
 
-def load(cfg: RunConfig, workdir: Path, mesh):
+def load(cfg: RunConfig, workdir: Path, mesh) -> LoadedPolicy:
     src = cfg.policy
     if src.source == "sft":  # the demo policy trained by this run's `sft` stage
         graphdef, abstract = model.abstract(cfg.model)
         params = restore_params(Path(workdir) / "sft" / "ckpt", abstract, mesh)
-        return graphdef, params, CharTokenizer()
+        return LoadedPolicy(cfg.model, graphdef, params, CharTokenizer())
     if src.source == "gguf":
         from bebop.checkpoints import gguf
 
         path = gguf.find_smollm2(src.path or None)
-        loaded, tok = gguf.load(path, mesh, cfg.model.dtype, cfg.model.scan_layers)
-        check_vocab(tok.vocab_size, loaded.cfg.vocab_size, str(path), str(path))
-        return loaded.graphdef, loaded.params, tok
+        loaded = gguf.load(path, mesh, cfg.model.dtype, cfg.model.scan_layers)
+        check_vocab(loaded.tok.vocab_size, loaded.cfg.vocab_size, str(path), str(path))
+        return loaded
     from bebop.checkpoints import hf
 
     loaded = hf.load(src.path, mesh, cfg.model.dtype, cfg.model.scan_layers)
-    tok_file = Path(src.path) / "tokenizer.json"
+    tok = hf_tokenizer(Path(src.path))
+    check_vocab(tok.vocab_size, loaded.cfg.vocab_size, f"{src.path}/tokenizer.json", src.path)
+    return dataclasses.replace(loaded, tok=tok)
+
+
+def hf_tokenizer(directory: Path) -> BPETokenizer:
+    """The tokenizer of a Hugging Face directory (`tokenizer.json`; EOS ids from
+    `generation_config.json`)."""
+    tok_file = Path(directory) / "tokenizer.json"
     if not tok_file.exists():
         raise FileNotFoundError(f"{tok_file}: the policy directory needs a tokenizer.json")
-    gen = Path(src.path) / "generation_config.json"
+    gen = Path(directory) / "generation_config.json"
     eos = json.loads(gen.read_text()).get("eos_token_id", 0) if gen.exists() else 0
     eos_ids = eos if isinstance(eos, list) else [eos]
-    tok = BPETokenizer.from_file(tok_file, eos_ids=eos_ids, pad_id=eos_ids[0])
-    check_vocab(tok.vocab_size, loaded.cfg.vocab_size, str(tok_file), str(Path(src.path)))
-    return loaded.graphdef, loaded.params, tok
+    return BPETokenizer.from_file(tok_file, eos_ids=eos_ids, pad_id=eos_ids[0])
 
 
 def abstract_mtp(pol_cfg: ModelConfig, num_layers: int):
@@ -53,15 +64,39 @@ def abstract_mtp(pol_cfg: ModelConfig, num_layers: int):
     return mtp_lib.abstract(pol_cfg, num_layers)
 
 
-def init_mtp(cfg: RunConfig, pol_cfg: ModelConfig, mesh, pol_params=None):
-    """(graphdef, params) of a fresh MTP (`mtp.init`: random, or the backbone's last layer, which
-    needs `pol_params`), or of `mtp.init_from`, on the mesh."""
-    graphdef, params = mtp_lib.init(pol_cfg, cfg.mtp.num_layers, cfg.seed + 100)
+def init_mtp(cfg: RunConfig, policy: LoadedPolicy, mesh):
+    """(graphdef, params) on the mesh of the MTP a stage starts from: `mtp.init_from`, else by
+    `mtp.init` a random one, the backbone's last layer, or the MTP layers `policy`'s checkpoint
+    ships (`checkpoint`)."""
+    if not cfg.mtp.init_from and cfg.mtp.init == "checkpoint":
+        graphdef, params = shipped_mtp(cfg, policy)
+        return graphdef, sharding.place_state(params, mesh)
+    graphdef, params = mtp_lib.init(policy.cfg, cfg.mtp.num_layers, cfg.seed + 100)
     if cfg.mtp.init_from:
         params = restore_params(Path(cfg.mtp.init_from), params, mesh)
     elif cfg.mtp.init == "last_layer":
-        params = mtp_lib.init_from_last_layer(params, jax.device_get(pol_params))
+        params = mtp_lib.init_from_last_layer(params, jax.device_get(policy.params))
     return graphdef, sharding.place_state(params, mesh)
+
+
+def shipped_mtp(cfg: RunConfig, policy: LoadedPolicy):
+    """(graphdef, params) of the MTP layers the policy checkpoint ships (`mtp.init=checkpoint`),
+    or an error naming the key and the checkpoint."""
+    src = cfg.policy
+    where = f"policy.source={src.source!r}" + (f" ({src.path})" if src.path else "")
+    if policy.mtp is None:
+        raise ConfigError(
+            f"config key 'mtp.init': 'checkpoint' starts the MTP from the MTP layers the policy "
+            f"checkpoint ships, but {where} has none; use mtp.init='random' or 'last_layer', or "
+            "mtp.init_from=DIR"
+        )
+    n = nnx.merge(*policy.mtp).num_layers
+    if n != cfg.mtp.num_layers:
+        raise ConfigError(
+            f"config key 'mtp.num_layers': {cfg.mtp.num_layers}, but {where} ships {n} MTP "
+            f"layer(s) ({policy.mtp_format} format) for mtp.init='checkpoint'"
+        )
+    return policy.mtp
 
 
 def load_mtp(cfg: RunConfig, ckpt_dir: Path, pol_cfg: ModelConfig, mesh):
@@ -74,11 +109,12 @@ def load_mtp(cfg: RunConfig, ckpt_dir: Path, pol_cfg: ModelConfig, mesh):
     return graphdef, params, vocab
 
 
-def load_rl(cfg: RunConfig, workdir: Path, mesh):
-    """(policy params, MTP params) from this run's `rl` checkpoints (for `policy.source=sft`,
-    whose architecture is `cfg.model`)."""
-    _, pol_abstract = model.abstract(cfg.model)
-    _, mtp_abstract = abstract_mtp(cfg.model, cfg.mtp.num_layers)
+def load_rl(cfg: RunConfig, workdir: Path, mesh, pol_cfg: ModelConfig | None = None):
+    """(policy params, MTP params) from this run's `rl` checkpoints; `pol_cfg`: the policy's
+    architecture (`LoadedPolicy.cfg`; default `cfg.model`, that of `policy.source=sft`)."""
+    pol_cfg = pol_cfg or cfg.model
+    _, pol_abstract = model.abstract(pol_cfg)
+    _, mtp_abstract = abstract_mtp(pol_cfg, cfg.mtp.num_layers)
     target = {
         "policy": {"params": sharding.abstract_on_mesh(pol_abstract, mesh)},
         "mtp": {"params": sharding.abstract_on_mesh(mtp_abstract, mesh)},

@@ -49,8 +49,11 @@ def next_pow2(n: int) -> int:
     return 1 << max(0, int(n) - 1).bit_length()
 
 
-def bucket_width(n: int) -> int:
-    """The smallest width >= n of the form 2^k or 3·2^(k-1) (at most `next_pow2(n)`)."""
+def bucket_width(n: int, minimum: int = 16) -> int:
+    """The smallest width >= max(n, minimum) of the form 2^k or 3·2^(k-1) (at most
+    `next_pow2(n)`). Few widths, few compilations: every new prompt width compiles the sampler
+    and, through the learner batch, the train step again (~10 s each on a CPU)."""
+    n = max(n, minimum)
     p = next_pow2(n)
     return 3 * p // 4 if p >= 4 and n <= 3 * p // 4 else p
 

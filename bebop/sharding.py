@@ -142,11 +142,13 @@ def replicated(mesh: Mesh) -> NamedSharding:
 
 def replicate_unplaced(tree, mesh: Mesh):
     """Leaves not laid out over `mesh` (step counters, RNG keys, optimizer counts) are put on it
-    replicated, so a train state and its restored copy live on one device set."""
-    devices, rep = set(mesh.devices.flat), replicated(mesh)
+    replicated, so a train state and its restored copy live on one device set. On a one-device
+    mesh a plain single-device array counts as unplaced too: the step function's outputs carry
+    the mesh's sharding, and an input that does not would compile the step a second time."""
+    rep = replicated(mesh)
 
     def one(x):
-        if isinstance(x, jax.Array) and x.sharding.device_set == devices:
+        if isinstance(x, jax.Array) and getattr(x.sharding, "mesh", None) == mesh:
             return x
         return jax.device_put(x, rep)
 

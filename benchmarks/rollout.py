@@ -103,7 +103,8 @@ def load_models(args, mesh):
         )
         from bebop import mtp_train, policies
 
-        pol_gd, pol_params, tok = policies.load(cfg, wd, mesh)
+        policy = policies.load(cfg, wd, mesh)
+        pol_gd, pol_params, tok = policy.graphdef, policy.params, policy.tok
         mtp = mtp_train.load_trained(cfg, wd, cfg.model, mesh)
         vocab = mtp_train.load_draft_vocab(wd / "mtp", cfg.model.vocab_size)
         ids = prompts.prompt_ids(cfg, tok, args.num_prompts, "bench", args.prompts)
@@ -111,8 +112,8 @@ def load_models(args, mesh):
     from bebop import policies
 
     cfg, _ = config_lib.load(str(REPO / "configs" / "mtp_smollm2.py"))
-    pol_gd, pol_params, tok = policies.load(cfg, Path("."), mesh)
-    pol_cfg = model.graphdef_config(pol_gd, pol_params)
+    policy = policies.load(cfg, Path("."), mesh)
+    pol_gd, pol_params, tok, pol_cfg = policy.graphdef, policy.params, policy.tok, policy.cfg
     mtp_gd, mtp_params = mtp_lib.init(pol_cfg, 1, seed=0)
     source, vocab = "random init", None
     if args.mtp_ckpt:  # DIR/mtp/ckpt; the draft vocabulary, if any, is DIR/mtp/draft_vocab.npy

@@ -211,7 +211,8 @@ def test_no_pickle_based_loading_anywhere():
 
 @pytest.fixture(scope="module")
 def smollm2():
-    return gguf_ckpt.load(gguf_ckpt.find_smollm2(), _mesh())
+    loaded = gguf_ckpt.load(gguf_ckpt.find_smollm2(), _mesh())
+    return loaded, loaded.tok
 
 
 def test_smollm2_knows_the_capital_of_france(smollm2):

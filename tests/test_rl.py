@@ -578,9 +578,9 @@ def test_rl_without_the_mtp_stage_loads_the_trained_draft_or_names_the_missing_o
     with no checkpoint the error names `DIR/mtp/ckpt`; GrowMTP and plain rollouts start fresh."""
     cfg = _rl_cfg("stages=('rl',)")
     mesh = _mesh()
-    pol_gd, pol_params = policies.load(cfg, pretrained, mesh)[:2]
-    pol_cfg = model.graphdef_config(pol_gd, pol_params)
-    _, got, vocab = rl_stage.load_draft_model(cfg, pretrained, pol_cfg, pol_params, mesh)
+    policy = policies.load(cfg, pretrained, mesh)
+    pol_cfg = policy.cfg
+    _, got, vocab = rl_stage.load_draft_model(cfg, pretrained, policy, mesh)
     want = mtp_train.load_trained(cfg, pretrained, pol_cfg, mesh)[1]
     for a, b in zip(jax.tree.leaves(got), jax.tree.leaves(want), strict=True):
         np.testing.assert_array_equal(a, b)
@@ -591,6 +591,6 @@ def test_rl_without_the_mtp_stage_loads_the_trained_draft_or_names_the_missing_o
     )
     (tmp_path / "mtp").mkdir()
     with pytest.raises(FileNotFoundError, match=r"mtp/ckpt holds no checkpoint"):
-        rl_stage.load_draft_model(cfg, tmp_path, pol_cfg, pol_params, mesh)
+        rl_stage.load_draft_model(cfg, tmp_path, policy, mesh)
     grow = _rl_cfg("stages=('rl',)", "rl.mtp_strategy='growmtp'")
-    assert rl_stage.load_draft_model(grow, tmp_path, pol_cfg, pol_params, mesh)[2] is None
+    assert rl_stage.load_draft_model(grow, tmp_path, policy, mesh)[2] is None

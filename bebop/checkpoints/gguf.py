@@ -6,12 +6,13 @@ template come from the GGUF metadata.
 
 from __future__ import annotations
 
+import dataclasses
 import importlib.util
 from pathlib import Path
 
 import numpy as np
 
-from bebop.checkpoints import hf
+from bebop.checkpoints import LoadedPolicy, hf
 from bebop.config import ModelConfig
 from bebop.tokenizer import BPETokenizer
 
@@ -143,10 +144,11 @@ def read(path, dtype="float32", scan_layers=True):
             arrays[_NAMES[t.name]] = x
         else:
             raise hf.CheckpointError(f"{path}: unexpected tensor {t.name}")
-    return cfg, arrays, BPETokenizer.from_gguf_fields(meta)
+    return cfg, arrays, BPETokenizer.from_gguf_fields(meta, str(path))
 
 
-def load(path, mesh, dtype="float32", scan_layers=True):
-    """(hf.Loaded, tokenizer) with the parameters placed on `mesh`."""
+def load(path, mesh, dtype="float32", scan_layers=True) -> LoadedPolicy:
+    """The policy with its parameters placed on `mesh` and its tokenizer."""
     cfg, arrays, tok = read(path, dtype, scan_layers)
-    return hf.load_source(hf.ArraySource(arrays, str(path)), cfg, mesh), tok
+    loaded = hf.load_source(hf.ArraySource(arrays, str(path)), cfg, mesh)
+    return dataclasses.replace(loaded, tok=tok)

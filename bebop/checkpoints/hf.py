@@ -9,18 +9,18 @@ errors naming the tensor and the file.
 
 from __future__ import annotations
 
-import dataclasses
 import json
 from pathlib import Path
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 from safetensors import safe_open
 from safetensors.numpy import save_file
 
 from bebop import model, sharding
 from bebop import mtp as mtp_lib
-from bebop.checkpoints import names
+from bebop.checkpoints import LoadedPolicy, names
 from bebop.config import ModelConfig
 from bebop.io import DamagedFileError, read_json
 
@@ -33,15 +33,6 @@ ARCHITECTURES = {
 
 class CheckpointError(ValueError):
     """A checkpoint is missing, malformed or does not match the model; names the culprit."""
-
-
-@dataclasses.dataclass
-class Loaded:
-    cfg: ModelConfig
-    graphdef: object
-    params: object
-    mtp: tuple | None = None  # (graphdef, params) when the checkpoint ships MTP layers
-    mtp_format: str | None = None
 
 
 # ----------------------------------------------------------------------------- config
@@ -248,14 +239,14 @@ def _policy_name(path, layer):
     return names.POLICY[path]
 
 
-def load_source(source, cfg: ModelConfig, mesh, mtp_layers: int | None = None) -> Loaded:
+def load_source(source, cfg: ModelConfig, mesh, mtp_layers: int | None = None) -> LoadedPolicy:
     """Loads policy (and MTP layers, when present) from a tensor source onto `mesh`."""
     dtype = model.DTYPES[cfg.dtype]
     used: set[str] = set()
     graphdef, abstract = model.abstract(cfg)
     arrays = _fill(abstract, mesh, source, _policy_name, used, dtype)
     params = _assign(abstract, arrays)
-    loaded = Loaded(cfg, graphdef, params)
+    mtp = None
     fmt = names.detect_mtp_format(source.names(), cfg.num_layers)
     if fmt is not None:
         n = mtp_layers or _count_mtp_layers(source.names(), fmt, cfg.num_layers)
@@ -268,13 +259,13 @@ def load_source(source, cfg: ModelConfig, mesh, mtp_layers: int | None = None) -
             return names.mtp_name(fmt, path[len("layers.") :], j, cfg.num_layers)
 
         marrays = _fill(mabs, mesh, source, mtp_name, used, dtype)
-        loaded.mtp, loaded.mtp_format = (mgd, _assign(mabs, marrays)), fmt
+        mtp = (mgd, _assign(mabs, marrays))
     if cfg.tie_embeddings:
         used.add("lm_head.weight")  # some tied checkpoints still store it
     extra = [n for n in source.names() if n not in used and not n.endswith(names.IGNORED_SUFFIXES)]
     if extra:
         raise CheckpointError(f"{source.label}: unexpected tensor(s) {sorted(extra)[:5]}")
-    return loaded
+    return LoadedPolicy(cfg, graphdef, params, None, mtp, fmt if mtp is not None else None)
 
 
 def _count_mtp_layers(all_names, fmt, num_policy_layers) -> int:
@@ -285,7 +276,7 @@ def _count_mtp_layers(all_names, fmt, num_policy_layers) -> int:
     return max(n, 1)
 
 
-def load(directory, mesh, dtype="float32", scan_layers=True) -> Loaded:
+def load(directory, mesh, dtype="float32", scan_layers=True) -> LoadedPolicy:
     directory = Path(directory)
     cfg_path = directory / "config.json"
     if not cfg_path.exists():
@@ -303,6 +294,18 @@ def load(directory, mesh, dtype="float32", scan_layers=True) -> Loaded:
 # ----------------------------------------------------------------------------- export
 
 
+EXPORT_DTYPES = {"float32": np.float32, "bfloat16": jnp.bfloat16, "float16": np.float16}
+
+
+def model_type_for(cfg: ModelConfig) -> str:
+    """The transformers architecture that computes what bebop's model does for `cfg`: Qwen3 has
+    q/k norms, Qwen2 biased q/k/v projections, Llama neither (its `attention_bias` also covers
+    biases, but Qwen2 is what such checkpoints are published as)."""
+    if cfg.qk_norm:
+        return "qwen3"
+    return "qwen2" if cfg.qkv_bias else "llama"
+
+
 def export(
     directory,
     cfg: ModelConfig,
@@ -311,18 +314,30 @@ def export(
     mtp_params=None,
     mtp_format: str = "qwen3_5",
     max_shard_bytes: int | None = None,
+    dtype: str = "float32",
+    base_config: dict | None = None,
 ) -> None:
-    """Writes config.json + safetensors (sharded with an index past `max_shard_bytes`)."""
+    """Writes config.json + safetensors (sharded with an index past `max_shard_bytes`), every
+    tensor cast to `dtype`. `base_config`: a source checkpoint's config.json whose other keys
+    (token ids, `max_position_embeddings`, ...) are kept; the architecture keys are bebop's."""
+    if dtype not in EXPORT_DTYPES:
+        raise ValueError(f"export dtype {dtype!r} unknown; choose one of {sorted(EXPORT_DTYPES)}")
+    if model_type not in ARCHITECTURES:
+        raise ValueError(
+            f"export model_type {model_type!r} unknown; supported {sorted(ARCHITECTURES)}"
+        )
     directory = Path(directory)
     directory.mkdir(parents=True, exist_ok=True)
     tensors: dict[str, np.ndarray] = {}
+    np_dtype = EXPORT_DTYPES[dtype]
 
     def put(state, name_of):
         for path, var in _paths(state):
             x = np.asarray(jax.device_get(var.get_value()), np.float32)
             for i in range(x.shape[0]) if path.startswith("layers.") else [None]:
                 name, kind = name_of(path, i)
-                tensors[name] = np.ascontiguousarray(names.to_hf(kind, x if i is None else x[i]))
+                y = names.to_hf(kind, x if i is None else x[i]).astype(np_dtype)
+                tensors[name] = np.ascontiguousarray(y)
 
     put(params, _policy_name)
     if mtp_params is not None:
@@ -330,8 +345,16 @@ def export(
             mtp_params,
             lambda p, j: names.mtp_name(mtp_format, p[len("layers.") :], j, cfg.num_layers),
         )
-    (directory / "config.json").write_text(json.dumps(config_to_hf(cfg, model_type), indent=2))
-    if max_shard_bytes is None:
+    hf_cfg = dict(base_config or {})
+    for k in ("rope_scaling", "rope_parameters", "torch_dtype", "dtype", "architectures"):
+        hf_cfg.pop(k, None)  # bebop's RoPE is the default one; the rest is rewritten below
+    hf_cfg.update(config_to_hf(cfg, model_type))
+    if base_config and "max_position_embeddings" in base_config:
+        hf_cfg["max_position_embeddings"] = base_config["max_position_embeddings"]
+    hf_cfg["torch_dtype"] = hf_cfg["dtype"] = dtype  # transformers < 5 reads the first
+    (directory / "config.json").write_text(json.dumps(hf_cfg, indent=2))
+    total = sum(v.nbytes for v in tensors.values())
+    if max_shard_bytes is None or total <= max_shard_bytes:
         save_file(tensors, str(directory / "model.safetensors"), metadata={"format": "pt"})
         return
     shards, cur, size = [], {}, 0
@@ -347,7 +370,7 @@ def export(
         save_file(shard, str(directory / fname), metadata={"format": "pt"})
         weight_map.update(dict.fromkeys(shard, fname))
     index = {
-        "metadata": {"total_size": sum(v.nbytes for v in tensors.values())},
+        "metadata": {"total_size": total},
         "weight_map": weight_map,
     }
     (directory / "model.safetensors.index.json").write_text(json.dumps(index, indent=2))

@@ -29,7 +29,7 @@ import jax
 import numpy as np
 
 from bebop import config as config_lib
-from bebop import io, model, policies, rollout, sharding, tasks
+from bebop import io, policies, rollout, sharding, tasks
 from bebop.ckpt import Checkpointer
 from bebop.config import RunConfig
 from bebop.fit import Interrupted, Preempted, preempted
@@ -38,21 +38,25 @@ from bebop.rl import learner, loop, records
 from bebop.train import TrainState, make_optimizer, schedule
 
 
-def load_draft_model(cfg: RunConfig, workdir: Path, pol_cfg, pol_params, mesh):
+def load_draft_model(cfg: RunConfig, workdir: Path, policy, mesh):
     """(graphdef, params, draft vocabulary) of the MTP the rollouts draft with: a fresh one for
     GrowMTP (or plain rollouts, which never draft), else the `mtp` stage's trained MTP in
-    `DIR/mtp/ckpt` -- whether or not this launch lists that stage -- or an error naming it."""
+    `DIR/mtp/ckpt` -- whether or not this launch lists that stage --, else the MTP layers the
+    policy checkpoint ships if `mtp.init='checkpoint'`, or an error naming the missing one."""
     ckpt_dir = Path(workdir) / "mtp" / "ckpt"
     if cfg.rl.mtp_strategy == "growmtp" or cfg.rollout.mode == "plain":
-        return (*policies.init_mtp(cfg, pol_cfg, mesh, pol_params), None)
+        return (*policies.init_mtp(cfg, policy, mesh), None)
     if not ckpt_dir.is_dir() or not any(p.name.isdigit() for p in ckpt_dir.iterdir()):
+        if cfg.mtp.init == "checkpoint" and not cfg.mtp.init_from:
+            return (*policies.init_mtp(cfg, policy, mesh), None)
         raise FileNotFoundError(
             f"rl: rollout.mode={cfg.rollout.mode!r} with rl.mtp_strategy="
             f"{cfg.rl.mtp_strategy!r} drafts with the trained MTP, but {ckpt_dir} holds no "
             "checkpoint: run the 'mtp' stage first (add it to `stages`), or use "
-            "rl.mtp_strategy='growmtp' or rollout.mode='plain'"
+            "rl.mtp_strategy='growmtp' or rollout.mode='plain' (or mtp.init='checkpoint' to "
+            "draft with the MTP layers an HF policy checkpoint ships)"
         )
-    return policies.load_mtp(cfg, ckpt_dir, pol_cfg, mesh)
+    return policies.load_mtp(cfg, ckpt_dir, policy.cfg, mesh)
 
 
 def run(
@@ -66,10 +70,10 @@ def run(
     """`task`: the RL task (default `tasks.make_task(cfg.task)`); `make_rollouts`: the rollout
     source's constructor, called like `rollout.Rollouts`."""
     rdir, rl = Path(workdir) / "rl", cfg.rl
-    pol_gd, pol_params, tok = policies.load(cfg, workdir, mesh)
-    pol_cfg = model.graphdef_config(pol_gd, pol_params)
+    policy = policies.load(cfg, workdir, mesh)
+    pol_gd, pol_params, tok = policy.graphdef, policy.params, policy.tok
     task = task or tasks.make_task(cfg.task)
-    mtp_gd, mtp_params, vocab = load_draft_model(cfg, workdir, pol_cfg, pol_params, mesh)
+    mtp_gd, mtp_params, vocab = load_draft_model(cfg, workdir, policy, mesh)
     # The KL reference: the policy at RL start (also on resume), a copy the learner never donates.
     ref_params = loop.snapshot(pol_params) if rl.kl_coef > 0 else None
     score = rollout.reward_scorer(rl)

@@ -1,0 +1,248 @@
+"""Export a run's policy (+ MTP) to a Hugging Face directory that transformers loads (vLLM reads
+the same layout).
+
+    python -m bebop.export --workdir runs/demo --out hf/demo [--stage rl|sft|mtp]
+                           [--dtype float32|bfloat16|float16] [--with_mtp]
+
+Reads the run's `DIR/config.json`. The weights (`--stage`, default `rl` when `DIR/rl/ckpt` holds
+a checkpoint, else `sft`):
+  rl   the policy of the newest `rl` checkpoint; `--with_mtp`: the MTP trained alongside it;
+  sft  the policy the run started from (`policy.source`: this run's `sft` stage, or the GGUF /
+       HF checkpoint as loaded); `--with_mtp`: the MTP layers that checkpoint ships;
+  mtp  that same policy with the `mtp` stage's trained MTP (implies `--with_mtp`).
+MTP layers are written in the checkpoint's own layout if it shipped one, else Qwen3.5's (one
+layer: `mtp.*`) or DeepSeek-V3's (several: `model.layers.{L+j}.*`); transformers ignores them,
+`bebop.checkpoints.hf.load` reads them back. A draft vocabulary (`mtp.draft_vocab`) is not
+exported: the draft head is the full output head.
+
+Written: `config.json` (the architecture as Llama / Qwen2 / Qwen3, `torch_dtype` and `dtype` =
+`--dtype`), `model.safetensors` (sharded past `--max_shard_gb`, with an index), tokenizer files,
+and `generation_config.json` (BOS / EOS / pad ids; the run's `rollout.temperature`, `top_p`,
+`top_k` as sampling defaults). Tokenizer files: an HF source's own files are copied; a GGUF
+source's BPE tokenizer is written as `tokenizer.json` + `tokenizer_config.json` (with the GGUF's
+chat template); the demo's character tokenizer is written as an equivalent `tokenizer.json`
+(one token per character, BOS prepended), so `AutoTokenizer` gives the demo's token ids.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import shutil
+import sys
+from pathlib import Path
+
+import jax
+
+from bebop import config as config_lib
+from bebop import policies, sharding
+from bebop.checkpoints import hf, names
+from bebop.io import read_json
+from bebop.tokenizer import CharTokenizer
+
+STAGES = ("rl", "sft", "mtp")
+# Tokenizer files of an HF source, copied when present.
+HF_TOKENIZER_FILES = (
+    "tokenizer.json",
+    "tokenizer_config.json",
+    "special_tokens_map.json",
+    "added_tokens.json",
+    "vocab.json",
+    "merges.txt",
+    "chat_template.jinja",
+    "chat_template.json",
+)
+
+
+class ExportError(ValueError):
+    """Bad export input (workdir, stage, checkpoint, output directory); names the culprit."""
+
+
+def has_checkpoint(ckpt_dir: Path) -> bool:
+    return ckpt_dir.is_dir() and any(p.name.isdigit() for p in ckpt_dir.iterdir())
+
+
+def run_config(workdir: Path) -> config_lib.RunConfig:
+    """The config a run recorded in `DIR/config.json`."""
+    if not workdir.is_dir():
+        raise ExportError(f"--workdir {workdir}: no such directory")
+    path = workdir / "config.json"
+    if not path.exists():
+        raise ExportError(f"{path}: missing; --workdir must be a run directory of launch.py")
+    cfg = config_lib.from_dict(config_lib.RunConfig, read_json(path))
+    cfg.validate()
+    return cfg
+
+
+def weights(cfg, workdir: Path, stage: str, with_mtp: bool, mesh):
+    """(policy as loaded, policy params to export, MTP params or None, MTP layout)."""
+    policy = policies.load(cfg, workdir, mesh)
+    fmt = "qwen3_5" if cfg.mtp.num_layers == 1 else "deepseek_v3"
+    if policy.mtp_format is not None:  # the checkpoint's own layout, if it holds n layers
+        limit = names.MTP_FORMATS[policy.mtp_format]["max_layers"]
+        fmt = policy.mtp_format if limit is None or cfg.mtp.num_layers <= limit else fmt
+    if stage == "rl":
+        pol_params, mtp_params = policies.load_rl(cfg, workdir, mesh, policy.cfg)
+        return policy, pol_params, mtp_params if with_mtp else None, fmt
+    if stage == "mtp":
+        mtp_params = policies.load_mtp(cfg, workdir / "mtp" / "ckpt", policy.cfg, mesh)[1]
+        return policy, policy.params, mtp_params, fmt
+    if with_mtp and policy.mtp is None:
+        raise ExportError(
+            f"--with_mtp --stage sft: the policy (policy.source={cfg.policy.source!r}"
+            f"{', ' + cfg.policy.path if cfg.policy.path else ''}) ships no MTP layers; export "
+            "the trained MTP with --stage mtp or --stage rl"
+        )
+    return policy, policy.params, policy.mtp[1] if with_mtp else None, fmt
+
+
+# ----------------------------------------------------------------------------- tokenizer files
+
+
+def char_tokenizer_json(tok: CharTokenizer):
+    """A `tokenizers.Tokenizer` with the ids of `tok`: one token per character (BPE without
+    merges over one pre-token: the whole text), the specials as special tokens, BOS prepended
+    when special tokens are added (the demo's prompts start with BOS)."""
+    from tokenizers import AddedToken, Tokenizer, decoders, models, processors
+
+    vocab = {s: i for i, s in enumerate(tok.specials)}
+    vocab.update({c: i + len(tok.specials) for i, c in enumerate(tok.alphabet)})
+    t = Tokenizer(models.BPE(vocab, [], fuse_unk=False))
+    t.decoder = decoders.Fuse()  # join tokens without the default separating spaces
+    t.add_special_tokens([AddedToken(s, special=True, normalized=False) for s in tok.specials])
+    bos = tok.specials[tok.bos_id]
+    t.post_processor = processors.TemplateProcessing(
+        single=f"{bos} $A", pair=f"{bos} $A $B", special_tokens=[(bos, tok.bos_id)]
+    )
+    return t
+
+
+def write_tokenizer(out: Path, cfg, tok) -> dict:
+    """Writes the tokenizer files of `cfg.policy`'s tokenizer `tok`; returns the special token
+    ids {bos, eos, pad} (eos: a list when there are several)."""
+    eos = list(tok.eos_ids)
+    ids = {"bos": tok.bos_id, "eos": eos if len(eos) > 1 else eos[0], "pad": tok.pad_id}
+    if cfg.policy.source == "hf":
+        for name in HF_TOKENIZER_FILES:
+            if (Path(cfg.policy.path) / name).exists():
+                shutil.copy2(Path(cfg.policy.path) / name, out / name)
+        return ids
+    if cfg.policy.source == "sft":  # the demo's CharTokenizer
+        fast, add_bos, template = char_tokenizer_json(tok), True, None
+    else:  # GGUF: the BPE tokenizer bebop built from its metadata (parity-tested vs transformers)
+        fast, add_bos = tok.tok, tok.add_bos
+        template = tok.chat_template.text if tok.chat_template is not None else None
+    fast.save(str(out / "tokenizer.json"))
+
+    def name(i):
+        return fast.id_to_token(i) if i is not None else None
+
+    tok_cfg = {
+        "tokenizer_class": "PreTrainedTokenizerFast",
+        "bos_token": name(ids["bos"]),
+        "eos_token": name(eos[0]),
+        "pad_token": name(ids["pad"]),
+        "add_bos_token": add_bos,
+        "clean_up_tokenization_spaces": False,
+    }
+    if template:
+        tok_cfg["chat_template"] = template
+    (out / "tokenizer_config.json").write_text(json.dumps(tok_cfg, indent=2))
+    return ids
+
+
+def generation_config(cfg, ids: dict, base: dict | None = None) -> dict:
+    """transformers' generation defaults: the token ids and the run's rollout sampling."""
+    gen = dict(base or {})  # an HF source's own BOS / pad ids win over bebop's defaults
+    gen["eos_token_id"] = ids["eos"]  # the ids bebop's sampler stops at
+    for k in ("bos", "pad"):
+        if ids[k] is not None:
+            gen.setdefault(f"{k}_token_id", ids[k])
+    r = cfg.rollout
+    for k in ("temperature", "top_p", "top_k", "do_sample"):
+        gen.pop(k, None)
+    if r.temperature > 0:  # top_k=0 turns transformers' default top-k of 50 off
+        gen.update(do_sample=True, temperature=r.temperature, top_p=r.top_p, top_k=r.top_k)
+    else:
+        gen["do_sample"] = False
+    return gen
+
+
+# ----------------------------------------------------------------------------- main
+
+
+def export_run(args) -> tuple[Path, str]:
+    """Exports what `args` (the parsed flags) name; returns (out, the stage exported)."""
+    workdir, out = Path(args.workdir), Path(args.out)
+    cfg = run_config(workdir)
+    stage = args.stage or ("rl" if has_checkpoint(workdir / "rl" / "ckpt") else "sft")
+    need = {"rl": workdir / "rl" / "ckpt", "mtp": workdir / "mtp" / "ckpt"}
+    if cfg.policy.source == "sft":
+        need["sft"] = workdir / "sft" / "ckpt"
+    if stage in need and not has_checkpoint(need[stage]):
+        raise ExportError(f"--stage {stage}: {need[stage]} holds no checkpoint")
+    if out.exists() and any(out.iterdir()):
+        raise ExportError(f"--out {out}: not empty; choose a new or empty directory")
+    with_mtp = args.with_mtp or stage == "mtp"
+    # One host device: export gathers every tensor to the host anyway.
+    mesh = sharding.make_mesh(config_lib.MeshConfig(data=1), jax.devices("cpu")[:1])
+    policy, params, mtp_params, fmt = weights(cfg, workdir, stage, with_mtp, mesh)
+    base_cfg, base_gen = {}, {}
+    if cfg.policy.source == "hf":  # keep what bebop does not model (token ids, max positions)
+        src = Path(cfg.policy.path)
+        base_cfg = read_json(src / "config.json")
+        if (src / "generation_config.json").exists():
+            base_gen = read_json(src / "generation_config.json")
+    model_type = base_cfg.get("model_type") or hf.model_type_for(policy.cfg)
+    out.mkdir(parents=True, exist_ok=True)
+    ids = write_tokenizer(out, cfg, policy.tok)
+    if cfg.policy.source != "hf":
+        base_cfg = {
+            "bos_token_id": ids["bos"],
+            "eos_token_id": ids["eos"],
+            "pad_token_id": ids["pad"],
+        }
+    hf.export(
+        out,
+        policy.cfg,
+        params,
+        model_type,
+        mtp_params,
+        fmt,
+        max_shard_bytes=int(args.max_shard_gb * 2**30),
+        dtype=args.dtype,
+        base_config=base_cfg,
+    )
+    gen = generation_config(cfg, ids, base_gen)
+    (out / "generation_config.json").write_text(json.dumps(gen, indent=2))
+    return out, stage
+
+
+def parse(argv):
+    p = argparse.ArgumentParser(
+        prog="python -m bebop.export",
+        description=__doc__,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    p.add_argument("--workdir", required=True, help="the run directory (holds config.json)")
+    p.add_argument("--out", required=True, help="the new Hugging Face directory")
+    p.add_argument("--stage", choices=STAGES, default=None, help="whose weights (see above)")
+    p.add_argument("--dtype", choices=sorted(hf.EXPORT_DTYPES), default="float32")
+    p.add_argument("--with_mtp", action="store_true", help="also write the MTP layers")
+    p.add_argument("--max_shard_gb", type=float, default=5.0, help="safetensors shard size")
+    return p.parse_args(argv)
+
+
+def main(argv=None) -> Path:
+    args = parse(argv)
+    out, stage = export_run(args)
+    print(json.dumps({"exported": str(out), "stage": stage, "dtype": args.dtype}))
+    return out
+
+
+if __name__ == "__main__":
+    try:
+        main()
+    except (ExportError, config_lib.ConfigError, hf.CheckpointError, FileNotFoundError) as e:
+        print(f"bebop.export: error: {e}", file=sys.stderr)
+        sys.exit(2)
