@@ -134,7 +134,9 @@ def run_one(cfg, workdir: Path, args, argv) -> int:
         return 2
     primary = jax.process_index() == 0
     workdir.mkdir(parents=True, exist_ok=True)
-    if cfg.compile_cache:  # later launches (resume, next stage) reuse compiled programs
+    # Later launches (resume, next stage) reuse compiled programs; a cache directory set in the
+    # environment (JAX_COMPILATION_CACHE_DIR, e.g. one shared by a cluster's jobs) wins.
+    if cfg.compile_cache and not jax.config.jax_compilation_cache_dir:
         jax.config.update("jax_compilation_cache_dir", str(workdir.absolute() / "jax_cache"))
     lock = pipeline.WorkdirLock(workdir)
     fit.install_preemption_handler()

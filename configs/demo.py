@@ -38,10 +38,10 @@ def get_config(arg=None):
     if a.runlocal:
         c.model.update(dim=64, num_layers=2, num_heads=4, num_kv_heads=2, head_dim=16, ffw_dim=192)
         c.task.digits = 2
-        c.sft.update(steps=300, batch_size=32, eval_samples=128)
+        c.sft.update(steps=300, batch_size=32, seq_len=32, eval_samples=128)
         c.distill.update(num_samples=128)
         c.mtp.update(steps=50, warmup_loss_steps=25, eval_every=50, eval_prompts=32)
-        c.rl.update(steps=4, prompts_per_step=8, eval_samples=64)
+        c.rl.update(steps=4, prompts_per_step=8, eval_samples=64, speedup_repeats=0)
     return c
 
 

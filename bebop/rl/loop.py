@@ -2,8 +2,9 @@
 
 One rollout worker thread produces `RolloutBatch`es (the learner's arrays: a `LearnerBatch`) into
 a bounded queue; the learner (the caller's thread) consumes them in order. Batch `i` is generated
-by policy version `max(v0, i - max_staleness)` exactly (v0: the version the run started or
-resumed at), which the `WeightStore` keeps until the worker took it: the schedule is
+by policy version `max(0, i - max_staleness)` exactly -- also after a resume, whose checkpoint
+holds the versions the next batches need (`first_version` = the resume step only for a
+checkpoint without them) --, which the `WeightStore` keeps until the worker took it: the schedule is
 deterministic, staleness never exceeds the bound (the learner also checks), and
 `max_staleness = 0` is synchronous. After each update the learner publishes copies of its weights
 (its own buffers are donated to the next step). A failure in the worker (rollout, reward) is
@@ -105,10 +106,12 @@ class RolloutWorker(threading.Thread):
         start_index: int,
         max_staleness: int,
         stop: threading.Event,
+        first_version: int = 0,
     ):
         super().__init__(daemon=True, name="rollout-worker")
         self.produce, self.store, self.out = produce, store, out
         self.start_index, self.max_staleness, self.stop = start_index, max_staleness, stop
+        self.first_version = first_version
 
     def _put(self, item) -> bool:
         while not self.stop.is_set():
@@ -123,7 +126,7 @@ class RolloutWorker(threading.Thread):
         i = self.start_index
         try:
             while not self.stop.is_set():
-                version = max(self.start_index, i - self.max_staleness)
+                version = max(self.first_version, i - self.max_staleness)
                 weights = self.store.get(version, self.stop)
                 if weights is None:
                     return

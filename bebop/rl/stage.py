@@ -20,6 +20,7 @@ per-token draft records (see `records`).
 
 from __future__ import annotations
 
+import logging
 import queue
 import threading
 import time
@@ -30,12 +31,14 @@ import numpy as np
 
 from bebop import config as config_lib
 from bebop import io, policies, rollout, sharding, tasks
-from bebop.ckpt import Checkpointer
+from bebop.ckpt import Checkpointer, CheckpointRestoreError
 from bebop.config import RunConfig
 from bebop.fit import Interrupted, Preempted, preempted
 from bebop.metrics import MetricsWriter, Progress, Timer
 from bebop.rl import learner, loop, records
 from bebop.train import TrainState, make_optimizer, schedule
+
+log = logging.getLogger(__name__)
 
 
 def load_draft_model(cfg: RunConfig, workdir: Path, policy, mesh):
@@ -111,10 +114,28 @@ def run(
         return f"The last good RL checkpoint ({where}) is in {ckpt.directory}; rerun to resume."
 
     drafts_path = rdir / "draft_tokens.bin"
-    restored = ckpt.restore_latest({"policy": pol_state, "mtp": mtp_state})
+    store = loop.WeightStore(keep=rl.max_staleness + 2)
+    history, evals = [], [(0, acc_before)]  # (step, greedy accuracy); also on resume
+    timer, wall_before = Timer(), 0.0  # time split and RL wall time of earlier launches
+    first_version = 0  # batch i comes from version max(first_version, i - max_staleness)
+    restored = restore(ckpt, pol_state, mtp_state, rl.max_staleness)
     if restored is not None:
         step, st, meta = restored
         pol_state, mtp_state, versions = st["policy"], st["mtp"], meta["versions"]
+        run_meta = meta.get("run", {})
+        history, evals = (
+            run_meta.get("history", []),
+            [tuple(e) for e in run_meta.get("evals", evals)],
+        )
+        timer.totals.update(run_meta.get("timings", {}))
+        wall_before = run_meta.get("rl_wall_s", 0.0)
+        if "behaviour" in st:  # the versions the next batches come from, as uninterrupted
+            for slot, (v, mv) in enumerate(meta["behaviour"]):
+                w = st["behaviour"][f"v{slot}"]
+                store.publish(v, w["policy"], w["mtp"], mv)
+        else:  # a checkpoint of an older bebop: the first batches after it are fresher
+            first_version = step
+            log.warning("rl: %s holds no behaviour weights; resuming on-policy", ckpt.directory)
         writer.truncate_after(step)
         if writer.enabled:
             records.truncate_draft_tokens(drafts_path, step)
@@ -122,7 +143,6 @@ def run(
         drafts_path.unlink()  # a fresh run
     start = int(pol_state.step)
 
-    store = loop.WeightStore(keep=rl.max_staleness + 2)
     store.publish(
         versions["policy"],
         loop.snapshot(pol_state.params),
@@ -139,11 +159,10 @@ def run(
     )
     q: queue.Queue = queue.Queue(maxsize=max(1, rl.max_staleness))
     stop = threading.Event()
-    worker = loop.RolloutWorker(rollouts, store, q, start, rl.max_staleness, stop)
+    worker = loop.RolloutWorker(rollouts, store, q, start, rl.max_staleness, stop, first_version)
     worker.start()
 
-    timer, history, save_due = Timer(), [], False
-    evals = [(0, acc_before)]  # (step, greedy accuracy); the RL-start policy, also on resume
+    save_due = False
     bar = Progress(rl.steps, start, "rl")
     t_start = time.perf_counter()
     try:
@@ -184,7 +203,8 @@ def run(
                 "mtp_version": versions["mtp"],
                 "staleness": versions["policy"] - 1 - batch.policy_version,
             }
-            history.append({k: float(v) for k, v in jax.device_get(rec).items()})
+            rec_host = jax.device_get(rec)
+            history.append({k: float(rec_host[k]) for k in SUMMARY_KEYS if k in rec_host})
             bar.update(1, int(batch.data.mask.sum()), reward=f"{batch.stats['reward_mean']:.3f}")
             if (step + 1) % rl.log_every == 0 or step + 1 == rl.steps:
                 writer.write(step + 1, rec)
@@ -193,8 +213,15 @@ def run(
             save_due = save_due or (step + 1) % cfg.ckpt.every == 0 or step + 1 == rl.steps
             skipped = bool(m.get("skipped", False)) or bool(m.get("mtp_skipped", False))
             if (save_due or preempted(step + 1)) and not skipped:
-                state = {"policy": pol_state, "mtp": mtp_state}
-                ckpt.save(step + 1, state, {"versions": versions}, force=preempted(step + 1))
+                state, meta = checkpoint_state(pol_state, mtp_state, store, step + 1, rl)
+                meta["versions"] = versions
+                meta["run"] = {
+                    "history": history,
+                    "evals": evals,
+                    "timings": timer.totals,
+                    "rl_wall_s": wall_before + time.perf_counter() - t_start,
+                }
+                ckpt.save(step + 1, state, meta, force=preempted(step + 1))
                 saved, save_due = step + 1, False
             if preempted(step + 1):
                 raise Preempted(f"rl: SIGTERM at step {step + 1}; {last_good()}")
@@ -206,14 +233,61 @@ def run(
         bar.close()
         ckpt.close()
         writer.close()
-    rl_wall = time.perf_counter() - t_start
+    rl_wall = wall_before + time.perf_counter() - t_start
 
     acc_after = greedy_accuracy(pol_state.params)
-    speed = rollout.rollout_speedup(rollouts, pol_state.params, mtp_state.params, cfg)
+    speed = None
+    if cfg.rl.speedup_repeats:
+        speed = rollout.rollout_speedup(rollouts, pol_state.params, mtp_state.params, cfg)
     summary = summarize(history, rl, acc_before, acc_after, rl_wall, timer.totals, speed)
     summary["eval_curve"] = [*evals, (rl.steps, acc_after)]  # (step, greedy accuracy)
     io.write_json_atomic(rdir / "summary.json", summary)
     return summary
+
+
+# What each step keeps for the summary (also checkpointed, so a resumed run's summary covers
+# every step).
+SUMMARY_KEYS = (
+    "reward_mean",
+    "accept_rate",
+    "accept_len",
+    "entropy",
+    "staleness",
+    "rollout_s",
+    "reward_s",
+)
+
+
+def checkpoint_state(pol_state, mtp_state, store, next_step: int, rl) -> tuple[dict, dict]:
+    """(state, meta) of a checkpoint after `next_step` updates: both train states, plus the
+    published weights the next `max_staleness` batches are generated from (versions
+    max(0, next_step - s) .. next_step - 1), so that a resumed run samples them from exactly the
+    versions the uninterrupted run would (s extra copies of the policy and MTP parameters)."""
+    state = {"policy": pol_state, "mtp": mtp_state}
+    if not rl.max_staleness:
+        return state, {}
+    slots, behaviour = {}, []
+    for j in range(rl.max_staleness):
+        v = max(0, next_step - rl.max_staleness + j)
+        policy, mtp, mtp_version = store.peek(v)
+        slots[f"v{j}"] = {"policy": policy, "mtp": mtp}
+        behaviour.append((v, mtp_version))
+    state["behaviour"] = slots
+    return state, {"behaviour": behaviour}
+
+
+def restore(ckpt: Checkpointer, pol_state, mtp_state, max_staleness: int):
+    """The newest checkpoint with its behaviour weights; one without them (written before they
+    were saved, or with max_staleness 0) restores the train states only."""
+    target = {"policy": pol_state, "mtp": mtp_state}
+    if max_staleness:
+        slot = {"policy": pol_state.params, "mtp": mtp_state.params}
+        full = {**target, "behaviour": {f"v{j}": slot for j in range(max_staleness)}}
+        try:
+            return ckpt.restore_latest(full)
+        except CheckpointRestoreError:
+            pass
+    return ckpt.restore_latest(target)
 
 
 def summarize(history, rl, acc_before, acc_after, rl_wall, timings, speed) -> dict:
