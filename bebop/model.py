@@ -25,6 +25,15 @@ Entry points take the graph definition (static) and the parameter state split on
   prefill(graphdef, params, tokens_BxT, lengths_B, max_len) -> (logits, hidden, cache)
 `hidden` is the last decoder layer's output before the final norm (what an MTP layer consumes);
 `logits_from_hidden` applies final norm + head. Logits are float32.
+
+Mixed precision (`ModelConfig.param_dtype`, `ModelConfig.dtype`): parameters are stored in the
+parameter dtype (float32 by default: the optimizer updates float32 masters, so an AdamW step of
+1e-6 is not lost to bfloat16's resolution), and every forward rounds each weight to the compute
+dtype where it is used (`compute_weight`), so matmuls, activations and the KV cache are in the
+compute dtype. RMSNorm statistics, RoPE, attention softmax and the logits are float32.
+`decode_layers` is the compute-dtype copy of the weights a decode loop reads (half the bytes for
+bfloat16); the full forward rounds the same way, so the learner's log-probs and the sampler's
+agree.
 """
 
 from __future__ import annotations
@@ -40,6 +49,17 @@ from bebop.kvcache import KVCache
 DTYPES = {"float32": jnp.float32, "bfloat16": jnp.bfloat16}
 
 
+def compute_weight(var, dtype) -> jax.Array:
+    """A weight as the forward uses it: rounded to the compute dtype (a no-op when it is already
+    in it, e.g. a `decode_layers` copy). Gradients flow back to the parameter's own dtype."""
+    return var[...].astype(dtype)
+
+
+def to_compute(state, cfg: ModelConfig):
+    """Every array of a parameter state cast to the compute dtype `cfg.dtype`."""
+    return jax.tree.map(lambda a: a.astype(DTYPES[cfg.dtype]), state)
+
+
 def _param(rngs: nnx.Rngs, shape, axes, std, dtype):
     return nnx.Param((std * jax.random.normal(rngs.params(), shape)).astype(dtype), axes=axes)
 
@@ -52,7 +72,8 @@ class RMSNorm(nnx.Module):
     def __call__(self, x):
         x32 = x.astype(jnp.float32)
         y = x32 * jax.lax.rsqrt(jnp.mean(x32 * x32, axis=-1, keepdims=True) + self.eps)
-        return (y * self.scale[...].astype(jnp.float32)).astype(x.dtype)
+        # The scale is rounded to the compute dtype (x's) first, as every weight is.
+        return (y * compute_weight(self.scale, x.dtype).astype(jnp.float32)).astype(x.dtype)
 
 
 def rope(x_BxTxNxDh: jax.Array, positions_BxT: jax.Array, theta: float) -> jax.Array:
@@ -83,7 +104,7 @@ def attend(q_BxTxHxDh, k_BxKxSxDh, v_BxKxSxDh, mask_BxTxS):
 class Attention(nnx.Module):
     def __init__(self, cfg: ModelConfig, rngs: nnx.Rngs):
         d, h, k, dh = cfg.dim, cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
-        dt, std = DTYPES[cfg.dtype], cfg.init_std
+        dt, std = DTYPES[cfg.param_dtype], cfg.init_std
         self.cfg = cfg
         self.wq = _param(rngs, (d, h, dh), ("embed", "heads", "head_dim"), std, dt)
         self.wk = _param(rngs, (d, k, dh), ("embed", "kv_heads", "head_dim"), std, dt)
@@ -103,11 +124,15 @@ class Attention(nnx.Module):
         every cache slot at or before each query's position (and, if given, marked in
         `valid_BxS`). Returns (out, new kv or None)."""
         cfg = self.cfg
-        q = jnp.einsum("btd,dhe->bthe", x_BxTxD, self.wq[...])
-        k = jnp.einsum("btd,dke->btke", x_BxTxD, self.wk[...])
-        v = jnp.einsum("btd,dke->btke", x_BxTxD, self.wv[...])
+        cdt = DTYPES[cfg.dtype]
+        x_BxTxD = x_BxTxD.astype(cdt)
+        q = jnp.einsum("btd,dhe->bthe", x_BxTxD, compute_weight(self.wq, cdt))
+        k = jnp.einsum("btd,dke->btke", x_BxTxD, compute_weight(self.wk, cdt))
+        v = jnp.einsum("btd,dke->btke", x_BxTxD, compute_weight(self.wv, cdt))
         if cfg.qkv_bias:
-            q, k, v = q + self.bq[...], k + self.bk[...], v + self.bv[...]
+            q = q + compute_weight(self.bq, cdt)
+            k = k + compute_weight(self.bk, cdt)
+            v = v + compute_weight(self.bv, cdt)
         if cfg.qk_norm:
             q, k = self.q_norm(q), self.k_norm(k)
         q = rope(q, positions_BxT, cfg.rope_theta)
@@ -130,26 +155,30 @@ class Attention(nnx.Module):
         out_BxTxHDh = attend(q, keys, values, mask_BxTxS).reshape(b, t, h * dh)
         # One [H*Dh, D] matrix (a free reshape): contracting (h, e) in an einsum let XLA pick a
         # layout that transposed a copy of `wo` on every decode step.
-        return out_BxTxHDh @ self.wo[...].reshape(h * dh, -1), new_kv
+        return out_BxTxHDh @ compute_weight(self.wo, cdt).reshape(h * dh, -1), new_kv
 
 
 class MLP(nnx.Module):
     def __init__(self, cfg: ModelConfig, rngs: nnx.Rngs):
-        d, f, dt, std = cfg.dim, cfg.ffw_dim, DTYPES[cfg.dtype], cfg.init_std
+        d, f, dt, std = cfg.dim, cfg.ffw_dim, DTYPES[cfg.param_dtype], cfg.init_std
+        self.cfg = cfg
         self.w_gate = _param(rngs, (d, f), ("embed", "mlp"), std, dt)
         self.w_up = _param(rngs, (d, f), ("embed", "mlp"), std, dt)
         self.w_down = _param(rngs, (f, d), ("mlp", "embed"), std, dt)
 
     def __call__(self, x_BxTxD):
-        gate_BxTxF = jax.nn.silu(x_BxTxD @ self.w_gate[...])
-        return (gate_BxTxF * (x_BxTxD @ self.w_up[...])) @ self.w_down[...]
+        cdt = DTYPES[self.cfg.dtype]
+        x_BxTxD = x_BxTxD.astype(cdt)
+        gate_BxTxF = jax.nn.silu(x_BxTxD @ compute_weight(self.w_gate, cdt))
+        up_BxTxF = x_BxTxD @ compute_weight(self.w_up, cdt)
+        return (gate_BxTxF * up_BxTxF) @ compute_weight(self.w_down, cdt)
 
 
 class Block(nnx.Module):
     """Pre-norm decoder block: x + attn(norm(x)), then x + mlp(norm(x))."""
 
     def __init__(self, cfg: ModelConfig, rngs: nnx.Rngs):
-        dt = DTYPES[cfg.dtype]
+        dt = DTYPES[cfg.param_dtype]
         self.attn_norm = RMSNorm(cfg.dim, cfg.norm_eps, dt)
         self.attn = Attention(cfg, rngs)
         self.mlp_norm = RMSNorm(cfg.dim, cfg.norm_eps, dt)
@@ -210,7 +239,7 @@ def run_blocks(
 @struct.dataclass
 class DecodeWeights:
     """The weights as a decode loop reads them (`decode_layers`): each layer's block state as
-    its own arrays, and the output head as `[D, V]` in the model's dtype (a `[V, D]` tied
+    its own arrays, and the output head as `[D, V]`, all in the compute dtype (a `[V, D]` tied
     embedding as the right operand ran the head 1.5x slower on CPU)."""
 
     layers: list
@@ -219,7 +248,7 @@ class DecodeWeights:
 
 class Policy(nnx.Module):
     def __init__(self, cfg: ModelConfig, rngs: nnx.Rngs):
-        dt = DTYPES[cfg.dtype]
+        dt = DTYPES[cfg.param_dtype]
         self.cfg = cfg
         self.embed = _param(rngs, (cfg.vocab_size, cfg.dim), ("vocab", "embed"), cfg.init_std, dt)
         self.layers = stacked_blocks(cfg, cfg.num_layers, rngs)
@@ -229,28 +258,37 @@ class Policy(nnx.Module):
                 rngs, (cfg.dim, cfg.vocab_size), ("embed", "vocab"), cfg.init_std, dt
             )
 
+    def _head_weight(self) -> jax.Array:
+        """The output weight (`[V, D]` tied embedding or `[D, V]` head) rounded to the compute
+        dtype, then float32: the values the decode copy's head holds, multiplied in float32."""
+        w = self.embed if self.cfg.tie_embeddings else self.lm_head
+        return compute_weight(w, DTYPES[self.cfg.dtype]).astype(jnp.float32)
+
     def head(self, x_BxTxD) -> jax.Array:
         """Output projection only (no norm), float32; shared with the MTP layer."""
         x32 = x_BxTxD.astype(jnp.float32)
         if self.cfg.tie_embeddings:
-            return jnp.einsum("btd,vd->btv", x32, self.embed[...].astype(jnp.float32))
-        return jnp.einsum("btd,dv->btv", x32, self.lm_head[...].astype(jnp.float32))
+            return jnp.einsum("btd,vd->btv", x32, self._head_weight())
+        return jnp.einsum("btd,dv->btv", x32, self._head_weight())
 
     def logits_from_hidden(self, hidden_BxTxD, layers: DecodeWeights | None = None) -> jax.Array:
         if layers is None:
             return self.head(self.final_norm(hidden_BxTxD))
-        # The normed hidden is in the model dtype: products are exact in float32, as in `head`.
+        # The normed hidden and the head are in the compute dtype: products are exact in float32
+        # and accumulate in float32, as in `head`.
         x_BxTxD = self.final_norm(hidden_BxTxD)
         return jnp.matmul(x_BxTxD, layers.head_DxV, preferred_element_type=jnp.float32)
 
     def embed_tokens(self, tokens_BxT) -> jax.Array:
-        return jnp.take(self.embed[...], tokens_BxT, axis=0)
+        """Token embeddings in the compute dtype (only the gathered rows are cast)."""
+        return jnp.take(self.embed[...], tokens_BxT, axis=0).astype(DTYPES[self.cfg.dtype])
 
     def head_matrix(self) -> jax.Array:
-        """The output projection as `[D, V]` float32 (for vocabulary-chunked losses)."""
+        """The output projection as `[D, V]` float32 (for vocabulary-chunked losses); its values
+        are the compute-dtype weights, as in `head`."""
         if self.cfg.tie_embeddings:
-            return self.embed[...].astype(jnp.float32).T
-        return self.lm_head[...].astype(jnp.float32)
+            return self._head_weight().T
+        return self._head_weight()
 
     def hidden(self, tokens_BxT, positions_BxT, cache: KVCache | None = None, layers=None):
         """Last-layer hidden states (before the final norm) and the updated cache; no head.
@@ -294,11 +332,16 @@ def forward(graphdef, params, tokens_BxT, positions_BxT):
 
 
 def decode_layers(graphdef, params) -> DecodeWeights:
-    """The weights laid out for decoding (a copy of every weight; make it once per parameter
-    version, e.g. with `decode_layers_jit`, and pass it as `layers=` to calls in a loop)."""
+    """The weights laid out for decoding, in the compute dtype `cfg.dtype` (a copy of every
+    weight; make it once per parameter version, e.g. with `decode_layers_jit`, and pass it as
+    `layers=` to calls in a loop: the samplers make it per call from the parameters the learner
+    published, so it follows every version)."""
     policy = nnx.merge(graphdef, params)
-    head_DxV = policy.embed[...].T if policy.cfg.tie_embeddings else policy.lm_head[...]
-    return DecodeWeights(unstack(policy.layers), head_DxV)
+    cdt = DTYPES[policy.cfg.dtype]
+    head = policy.embed if policy.cfg.tie_embeddings else policy.lm_head
+    head_DxV = compute_weight(head, cdt)
+    head_DxV = head_DxV.T if policy.cfg.tie_embeddings else head_DxV
+    return DecodeWeights(to_compute(unstack(policy.layers), policy.cfg), head_DxV)
 
 
 decode_layers_jit = jax.jit(decode_layers, static_argnums=0)

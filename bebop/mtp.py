@@ -32,12 +32,13 @@ from flax import nnx
 from bebop import io, model
 from bebop.config import ModelConfig
 from bebop.kvcache import KVCache
-from bebop.model import DTYPES, Block, RMSNorm
+from bebop.model import DTYPES, Block, RMSNorm, compute_weight
 
 
 class MTPLayer(nnx.Module):
     def __init__(self, cfg: ModelConfig, rngs: nnx.Rngs):
-        dt = DTYPES[cfg.dtype]
+        dt = DTYPES[cfg.param_dtype]  # stored; the forward computes in cfg.dtype (bebop/model.py)
+        self.cfg = cfg
         self.emb_norm = RMSNorm(cfg.dim, cfg.norm_eps, dt)
         self.hid_norm = RMSNorm(cfg.dim, cfg.norm_eps, dt)
         w = cfg.init_std * jax.random.normal(rngs.params(), (2 * cfg.dim, cfg.dim))
@@ -46,8 +47,9 @@ class MTPLayer(nnx.Module):
         self.out_norm = RMSNorm(cfg.dim, cfg.norm_eps, dt)
 
     def __call__(self, emb_BxTxD, hid_BxTxD, positions_BxT, kv=None, offsets_B=None, valid=None):
+        cdt = DTYPES[self.cfg.dtype]
         x = jnp.concatenate([self.emb_norm(emb_BxTxD), self.hid_norm(hid_BxTxD)], axis=-1)
-        x_BxTxD = x @ self.w_fc[...]
+        x_BxTxD = x.astype(cdt) @ compute_weight(self.w_fc, cdt)
         out_BxTxD, new_kv = self.block(x_BxTxD, positions_BxT, kv, offsets_B, valid)
         return out_BxTxD, self.out_norm(out_BxTxD), new_kv
 
@@ -145,7 +147,10 @@ def logits(policy, normed_BxTxD, head_DxVd=None) -> jax.Array:
     `draft_head`, a draft vocabulary) or the policy's own head."""
     if head_DxVd is None:
         return policy.head(normed_BxTxD)
-    return normed_BxTxD.astype(jnp.float32) @ head_DxVd
+    # A compute-dtype head (the policy's decode copy) multiplies the compute-dtype output with
+    # float32 accumulation: the same products as a float32 head of the same values.
+    x = normed_BxTxD.astype(head_DxVd.dtype)
+    return jnp.matmul(x, head_DxVd, preferred_element_type=jnp.float32)
 
 
 # ----------------------------------------------------------------------------- draft vocabulary

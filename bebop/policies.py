@@ -1,7 +1,8 @@
 """Loading what a stage runs on, without building any optimizer:
 
 - `load`: the policy (`RunConfig.policy`): this run's SFT checkpoint, a GGUF file, or a Hugging
-  Face directory, as a `LoadedPolicy` (architecture, graphdef, params on the mesh, tokenizer, and
+  Face directory (`hf_dir`: `policy.path`, or a tiny random one built in the workdir for
+  `tiny:KIND`), as a `LoadedPolicy` (architecture, graphdef, params on the mesh, tokenizer, and
   the MTP layers an HF checkpoint ships).
 - `init_mtp`: the MTP a stage starts from: `mtp.init_from`, else by `mtp.init` a random one, one
   from the backbone's last layer, or the checkpoint's shipped MTP layers (`checkpoint`);
@@ -36,15 +37,28 @@ def load(cfg: RunConfig, workdir: Path, mesh) -> LoadedPolicy:
         from bebop.checkpoints import gguf
 
         path = gguf.find_smollm2(src.path or None)
-        loaded = gguf.load(path, mesh, cfg.model.dtype, cfg.model.scan_layers)
+        m = cfg.model
+        loaded = gguf.load(path, mesh, m.dtype, m.scan_layers, m.param_dtype)
         check_vocab(loaded.tok.vocab_size, loaded.cfg.vocab_size, str(path), str(path))
         return loaded
     from bebop.checkpoints import hf
 
-    loaded = hf.load(src.path, mesh, cfg.model.dtype, cfg.model.scan_layers)
-    tok = hf_tokenizer(Path(src.path))
-    check_vocab(tok.vocab_size, loaded.cfg.vocab_size, f"{src.path}/tokenizer.json", src.path)
+    m = cfg.model
+    path = hf_dir(cfg, workdir)
+    loaded = hf.load(path, mesh, m.dtype, m.scan_layers, m.param_dtype)
+    tok = hf_tokenizer(path)
+    check_vocab(tok.vocab_size, loaded.cfg.vocab_size, f"{path}/tokenizer.json", str(path))
     return dataclasses.replace(loaded, tok=tok)
+
+
+def hf_dir(cfg: RunConfig, workdir: Path) -> Path:
+    """The Hugging Face directory of `policy.source=hf`: `policy.path`, or for
+    `policy.path="tiny:KIND"` the tiny random checkpoint `<workdir>/tiny_hf/KIND`, built on first
+    use (`bebop/checkpoints/tiny.py`)."""
+    from bebop.checkpoints import tiny
+
+    kind = tiny.kind_of(cfg.policy.path)
+    return Path(cfg.policy.path) if kind is None else tiny.ensure(workdir, kind)
 
 
 def hf_tokenizer(directory: Path) -> BPETokenizer:

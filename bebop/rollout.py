@@ -8,13 +8,14 @@ problems before, during and after RL), `rl` for the RL batches.
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import time
 
 import jax
 import numpy as np
 
-from bebop import prompts, sampling, speculative, tasks
+from bebop import compaction, prompts, sampling, speculative, tasks
 from bebop.config import RLConfig, RunConfig
 from bebop.metrics import Timer
 from bebop.rl import grpo, loop, records, rewards
@@ -95,21 +96,27 @@ class Rollouts:
         return [q for q in problems for _ in range(g)], ids
 
     def sample(self, pol_params, mtp_params, toks, lens, key, spec):
-        """`spec=None`: the plain sampler. Returns (SampleOutput, SpecOutput or None)."""
+        """`spec=None`: the plain sampler. Returns (SampleOutput, SpecOutput or None). With
+        `rollout.compact` the samplers' tail-aware drivers (`bebop/compaction.py`; the same
+        samples), with `rollout.draft_table` giving γ per live-batch size."""
+        r = self.cfg.rollout
+        pol = (self.pol_gd, pol_params)
         if spec is None:
-            return sampling.sample_jit(self.pol_gd, pol_params, toks, lens, key, self.scfg), None
-        out = speculative.sample_jit(
-            self.pol_gd,
-            pol_params,
-            self.mtp_gd,
-            mtp_params,
-            toks,
-            lens,
-            key,
-            self.scfg,
-            spec,
-            self.vocab,
-        )
+            if r.compact:
+                out = sampling.sample_compacted(
+                    *pol, toks, lens, key, self.scfg, min_bucket=r.min_bucket
+                )
+                return out, None
+            return sampling.sample_jit(*pol, toks, lens, key, self.scfg), None
+        args = (*pol, self.mtp_gd, mtp_params, toks, lens, key, self.scfg)
+        if r.compact:
+            out = speculative.sample_compacted(
+                *args, spec, self.vocab, min_bucket=r.min_bucket, draft_table=r.draft_table
+            )
+        else:  # one batch: the table's γ for its size
+            num_draft = compaction.draft_for_batch(r.draft_table, len(toks), spec.num_draft)
+            spec = dataclasses.replace(spec, num_draft=num_draft)
+            out = speculative.sample_jit(*args, spec, self.vocab)
         return out.sample, out
 
     def __call__(self, i, version, pol_params, mtp_params, mtp_version) -> loop.RolloutBatch:

@@ -24,7 +24,7 @@ import jax.numpy as jnp
 import numpy as np
 from flax import struct
 
-from bebop import model
+from bebop import compaction, model
 
 
 @dataclasses.dataclass(frozen=True)
@@ -168,19 +168,13 @@ class _LoopState:
     cache: model.KVCache
     logits_BxV: jax.Array
     done_B: jax.Array
+    keys_B: jax.Array  # row r's key fold_in(rng, r): it travels with its row under compaction
     out: SampleOutput
 
 
-def sample(
-    graphdef, params, prompt_BxP, prompt_lens_B, rng, cfg: SamplingConfig, layers=None
-) -> SampleOutput:
-    """Samples up to `cfg.max_new_tokens` per row. Jit with `graphdef` and `cfg` static.
-    `layers`: `model.decode_layers(graphdef, params)`, made once per parameter version by a
-    caller that samples repeatedly (made here otherwise: a copy of every weight per call)."""
+def _init(graphdef, params, prompt_BxP, prompt_lens_B, rng, cfg: SamplingConfig, layers):
     b, p = prompt_BxP.shape
     n = cfg.max_new_tokens
-    if layers is None:
-        layers = model.decode_layers(graphdef, params)
     last_BxV, _, cache = model.prefill_last(
         graphdef, params, prompt_BxP, prompt_lens_B, p + n, layers
     )
@@ -191,19 +185,23 @@ def sample(
         entropy=zeros_f,
         lengths=jnp.zeros((b,), jnp.int32),
     )
-    init = _LoopState(jnp.int32(0), cache, last_BxV, jnp.zeros((b,), bool), out)
-
-    def cond(s: _LoopState):
-        return (s.step < n) & ~jnp.all(s.done_B)
-
     # Row r's draw at step t uses its own key fold_in(fold_in(rng, r), t): a row's sample does
     # not depend on which other rows share its batch (so finished rows can be dropped).
-    row_keys_B = jax.vmap(jax.random.fold_in, (None, 0))(rng, jnp.arange(b))
+    keys_B = jax.vmap(jax.random.fold_in, (None, 0))(rng, jnp.arange(b))
+    return _LoopState(jnp.int32(0), cache, last_BxV, jnp.zeros((b,), bool), keys_B, out)
+
+
+def _live(s: _LoopState, cfg: SamplingConfig) -> jax.Array:
+    return ~s.done_B & (s.step < cfg.max_new_tokens)
+
+
+def _run(graphdef, params, s: _LoopState, min_live, cfg: SamplingConfig, layers) -> _LoopState:
+    """Decode steps while more than `min_live` rows are live (0: until every row ends)."""
 
     def body(s: _LoopState):
         if cfg.temperature > 0:
             stats_logp = process_logits(s.logits_BxV, cfg)
-            keys_B = jax.vmap(jax.random.fold_in, (0, None))(row_keys_B, s.step)
+            keys_B = jax.vmap(jax.random.fold_in, (0, None))(s.keys_B, s.step)
             tok_B = categorical(keys_B, stats_logp)
         else:  # the one-hot of `process_logits` is not needed to take an argmax
             stats_logp = stats_logprobs(s.logits_BxV, cfg)
@@ -222,12 +220,55 @@ def sample(
         logits_Bx1xV, _, cache = model.extend(
             graphdef, params, s.cache, tok_B[:, None], None, layers
         )
-        return _LoopState(s.step + 1, cache, logits_Bx1xV[:, 0], done_B, o)
+        return s.replace(
+            step=s.step + 1, cache=cache, logits_BxV=logits_Bx1xV[:, 0], done_B=done_B, out=o
+        )
 
-    return jax.lax.while_loop(cond, body, init).out
+    return jax.lax.while_loop(lambda s: jnp.sum(_live(s, cfg)) > min_live, body, s)
+
+
+def sample(
+    graphdef, params, prompt_BxP, prompt_lens_B, rng, cfg: SamplingConfig, layers=None
+) -> SampleOutput:
+    """Samples up to `cfg.max_new_tokens` per row. Jit with `graphdef` and `cfg` static.
+    `layers`: `model.decode_layers(graphdef, params)`, made once per parameter version by a
+    caller that samples repeatedly (made here otherwise: a copy of every weight per call)."""
+    if layers is None:
+        layers = model.decode_layers(graphdef, params)
+    s = _init(graphdef, params, prompt_BxP, prompt_lens_B, rng, cfg, layers)
+    return _run(graphdef, params, s, 0, cfg, layers).out
 
 
 sample_jit = jax.jit(sample, static_argnames=("graphdef", "cfg"))
+_init_jit = jax.jit(_init, static_argnames=("graphdef", "cfg"))
+# The loop state is donated: its KV cache is updated in place across the buckets' loops.
+_run_jit = jax.jit(_run, static_argnames=("graphdef", "cfg"), donate_argnames=("s",))
+
+
+def sample_compacted(
+    graphdef,
+    params,
+    prompt_BxP,
+    prompt_lens_B,
+    rng,
+    cfg: SamplingConfig,
+    layers=None,
+    min_bucket: int = 8,
+) -> SampleOutput:
+    """`sample` with tail-aware compaction (`bebop/compaction.py`): a host-level driver that
+    continues with half the rows each time the live rows fall to half, down to `min_bucket`.
+    Same samples as `sample_jit` for the same keys (log-probs and entropies to float rounding
+    across batch sizes, ~1e-5 on CPU: see `compaction`); outputs in the original row order."""
+    if layers is None:
+        layers = model.decode_layers_jit(graphdef, params)
+    s = _init_jit(graphdef, params, prompt_BxP, prompt_lens_B, rng, cfg, layers)
+    return compaction.run(
+        s,
+        advance=lambda s, k: _run_jit(graphdef, params, s, jnp.int32(k), cfg, layers),
+        live=lambda s: _live(s, cfg),
+        results=lambda s: s.out,
+        min_bucket=min_bucket,
+    )
 
 
 def generate(graphdef, params, prompts, rng, cfg: SamplingConfig, layers=None) -> list[list[int]]:

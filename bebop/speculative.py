@@ -30,6 +30,8 @@ position that needs it.
 
 Randomness: row r's draws come from its own key fold_in(rng, r) (folded with 0 for the first
 token, with c + 1 in cycle c), so a row's sample does not depend on the other rows of its batch.
+The key lives in the loop state with its row: `sample_compacted` drops finished rows as the batch
+thins out (`bebop/compaction.py`), optionally with another γ per batch size (γ = 0: no drafts).
 
 Statistics per row, from what was emitted (drafts cut off by EOS or the token budget do not
 count): attempts and acceptances per draft position, a histogram of tokens emitted per verify
@@ -41,13 +43,14 @@ drafted positions, the analytic acceptance Σ_v min(p, q_rule) (`overlap`).
 from __future__ import annotations
 
 import dataclasses
+import functools
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 from flax import nnx, struct
 
-from bebop import model
+from bebop import compaction, model
 from bebop import mtp as mtp_lib
 from bebop.sampling import (
     SampleOutput,
@@ -118,9 +121,10 @@ class _State:
     catch_tok_BxW: jax.Array  # the token that followed each of them
     n_catch_B: jax.Array
     done_B: jax.Array
-    out: SampleOutput  # width N + W so per-row writes never clamp
+    keys_B: jax.Array  # row r's key fold_in(rng, r): it travels with its row under compaction
+    out: SampleOutput  # width N + max W so per-row writes never clamp
     stats: SpecStats
-    hid_buf: jax.Array | None  # [B, P+N+W, D] when recording
+    hid_buf: jax.Array | None  # [B, P+N+max W, D] when recording
     cyc_buf: jax.Array | None  # [B, P+N+W]
 
 
@@ -134,8 +138,11 @@ class _Models:
     head_DxVd: jax.Array  # the MTP's output projection (the draft vocabulary's columns)
     vocab_Vd: jax.Array | None
     scfg: SamplingConfig
-    spec: SpecConfig
+    spec: SpecConfig  # this bucket's γ (0: no drafts, one policy step per cycle)
     max_len: int
+    max_draft: int  # per-position statistics are this wide (the largest γ of a draft table)
+    # With γ = 0: the MTP still consumes each token, for a later bucket that drafts again.
+    sync_mtp: bool = True
 
 
 def _write_rows(buf_BxM, new_BxW, offsets_B):
@@ -169,15 +176,16 @@ def _emit_limits(tokens_BxW, n_emit_B, out_len_B, done_B, scfg: SamplingConfig, 
     return n_emit_B, finished_B
 
 
-def _cycle_counts(st: SpecStats, n_acc_B, n_emit_B, live_B) -> dict:
+def _cycle_counts(st: SpecStats, n_acc_B, n_emit_B, live_B, y: int) -> dict:
     """One verify's contribution to the counters, from what it emitted: drafts cut off by EOS or
     the token budget are neither attempts nor acceptances (they are not part of the output), and
-    the histogram counts emitted tokens, so Σ_k k·hist_k = tokens after the first."""
-    y = st.attempts.shape[1]
+    the histogram counts emitted tokens, so Σ_k k·hist_k = tokens after the first. The counters
+    may be wider than this cycle's `y` drafts (a draft table's largest γ)."""
+    y_max = st.attempts.shape[1]
     live_i = live_B.astype(jnp.int32)[:, None]
-    pos_Y = jnp.arange(y)[None]
-    emitted_BxY = pos_Y < n_emit_B[:, None]
-    hist_BxW = jnp.arange(y + 1)[None] == n_emit_B[:, None] - 1
+    pos_Y = jnp.arange(y_max)[None]
+    emitted_BxY = (pos_Y < n_emit_B[:, None]) & (pos_Y < y)
+    hist_BxW = jnp.arange(y_max + 1)[None] == n_emit_B[:, None] - 1
     return {
         "attempts": st.attempts + live_i * (emitted_BxY & (pos_Y <= n_acc_B[:, None])),
         "accepts": st.accepts + live_i * (emitted_BxY & (pos_Y < n_acc_B[:, None])),
@@ -222,7 +230,7 @@ def _init(m: _Models, pol_gd, pol_params, prompt_BxP, prompt_lens_B, row_keys_B)
     with the first sampled token."""
     policy, scfg, spec = m.policy, m.scfg, m.spec
     rows, width = prompt_BxP.shape
-    n, w, y = scfg.max_new_tokens, spec.num_draft + 1, spec.num_draft
+    n, w, y = scfg.max_new_tokens, spec.num_draft + 1, m.max_draft
     last_BxV, hid_BxPxD, policy_cache = model.prefill_last(
         pol_gd, pol_params, prompt_BxP, prompt_lens_B, m.max_len, m.layers
     )
@@ -241,7 +249,7 @@ def _init(m: _Models, pol_gd, pol_params, prompt_BxP, prompt_lens_B, row_keys_B)
     catch_hid = catch_hid.at[:, 0].set(_take(hid_BxPxD, prompt_lens_B - 1))
     catch_tok = jnp.zeros((rows, w), jnp.int32).at[:, 0].set(first_B)
 
-    zeros_f, zeros_i = jnp.zeros((rows, n + w), jnp.float32), jnp.zeros((rows, n + w), jnp.int32)
+    zeros_f, zeros_i = jnp.zeros((rows, n + y + 1)), jnp.zeros((rows, n + y + 1), jnp.int32)
     out = SampleOutput(
         tokens=zeros_i.at[:, 0].set(first_B),
         logprobs=zeros_f.at[:, 0].set(_take(first_logp_BxV, first_B)),
@@ -251,7 +259,7 @@ def _init(m: _Models, pol_gd, pol_params, prompt_BxP, prompt_lens_B, row_keys_B)
     stats = SpecStats(
         attempts=jnp.zeros((rows, y), jnp.int32),
         accepts=jnp.zeros((rows, y), jnp.int32),
-        accept_hist=jnp.zeros((rows, w), jnp.int32),
+        accept_hist=jnp.zeros((rows, y + 1), jnp.int32),
         verify_calls=jnp.zeros((rows,), jnp.int32),
         status=zeros_i.at[:, 0].set(UNDRAFTED),
         overlap=zeros_f,
@@ -270,6 +278,7 @@ def _init(m: _Models, pol_gd, pol_params, prompt_BxP, prompt_lens_B, row_keys_B)
         catch_tok_BxW=catch_tok,
         n_catch_B=jnp.ones((rows,), jnp.int32),
         done_B=is_eos(first_B, scfg.eos_ids) | (n <= 1),
+        keys_B=row_keys_B,
         out=out,
         stats=stats,
         hid_buf=hid_buf,
@@ -280,18 +289,19 @@ def _init(m: _Models, pol_gd, pol_params, prompt_BxP, prompt_lens_B, row_keys_B)
 def _catch_up(m: _Models, s: _State):
     """Every MTP layer consumes the catch-up buffer (so each keeps its cache complete); layer 0's
     output at the row's last consumed position starts the chain. Returns (hidden `[B, 1, D]`,
-    draft-1 logits `[B, Vd]`, MTP cache)."""
+    draft-1 logits `[B, Vd]` -- both None at γ = 0 --, MTP cache)."""
     mtp_cache = s.mtp_cache
     last_B = jnp.maximum(s.n_catch_B - 1, 0)
+    hid_Bx1xD = logits_BxVd = None  # γ = 0: nothing drafts
     for j in range(m.mtp.num_layers):
         out_BxWxD, normed_BxWxD, mtp_cache = mtp_lib.extend(
             m.mtp, m.policy, j, mtp_cache, s.catch_hid_BxWxD, s.catch_tok_BxW
         )
-        if j == 0:  # only the last position drafts: one head projection per row
+        if j == 0 and m.spec.num_draft:  # only the last position drafts: one head projection
             hid_Bx1xD = _take(out_BxWxD, last_B)[:, None]
             normed_Bx1xD = _take(normed_BxWxD, last_B)[:, None]
-            logits_BxVd = mtp_lib.logits(m.policy, normed_Bx1xD, m.head_DxVd)
-    return hid_Bx1xD, logits_BxVd[:, 0], mtp_cache.advance(s.n_catch_B)
+            logits_BxVd = mtp_lib.logits(m.policy, normed_Bx1xD, m.head_DxVd)[:, 0]
+    return hid_Bx1xD, logits_BxVd, mtp_cache.advance(s.n_catch_B)
 
 
 def _draft(m: _Models, hid_Bx1xD, logits_BxVd, mtp_cache, anchor_B, keys_B):
@@ -299,6 +309,9 @@ def _draft(m: _Models, hid_Bx1xD, logits_BxVd, mtp_cache, anchor_B, keys_B):
     `[B, Y]`, the rule's q `[B, Y, Vd]`); the MTP cache is rolled back to `anchor_B` after."""
     n_mtp, y, b = m.mtp.num_layers, m.spec.num_draft, anchor_B.shape[0]
     rule = DRAFT_RULES[m.spec.rule]
+    if y == 0:
+        none_Bx0 = jnp.zeros((b, 0), jnp.int32)
+        return none_Bx0, none_Bx0, jnp.zeros((b, 0, m.head_DxVd.shape[1])), mtp_cache
     idx, toks, qs = [], [], []
     for k in range(1, y + 1):
         if k > 1:
@@ -343,7 +356,7 @@ def _emit(m: _Models, s: _State, drafts_BxY, n_acc_B, next_B, logits_BxWxV, logp
     b = drafts_BxY.shape[0]
     live_B = ~s.done_B
     idx_W = jnp.arange(y + 1)[None]
-    drafts_pad_BxW = jnp.concatenate([drafts_BxY, drafts_BxY[:, :1]], axis=1)
+    drafts_pad_BxW = jnp.pad(drafts_BxY, ((0, 0), (0, 1)))  # column Y is never an accepted draft
     emit_BxW = jnp.where(idx_W < n_acc_B[:, None], drafts_pad_BxW, next_B[:, None])
     n_emit_B, finished_B = _emit_limits(
         emit_BxW, n_acc_B + 1, s.out.lengths, s.done_B, scfg, scfg.max_new_tokens
@@ -366,7 +379,7 @@ def _emit(m: _Models, s: _State, drafts_BxY, n_acc_B, next_B, logits_BxWxV, logp
         lengths=off + n_emit_B,
     )
     st = st.replace(
-        **_cycle_counts(st, n_acc_B, n_emit_B, live_B),
+        **_cycle_counts(st, n_acc_B, n_emit_B, live_B, y),
         status=_write_rows(st.status, status_BxW, off),
         overlap=_write_rows(st.overlap, overlap_BxW, off),
     )
@@ -398,6 +411,7 @@ def _roll_back(
         catch_tok_BxW=emit_BxW,
         n_catch_B=jnp.where(live_B, n_acc_B + 1, 0),
         done_B=finished_B,
+        keys_B=s.keys_B,
         out=out,
         stats=stats,
         hid_buf=hid_buf,
@@ -405,12 +419,45 @@ def _roll_back(
     )
 
 
-def _finalise(m: _Models, s: _State, prompt_width: int) -> SpecOutput:
-    n = m.scfg.max_new_tokens
-    mask_BxN = jnp.arange(n)[None] < s.out.lengths[:, None]
-    o, st = s.out, s.stats
+def _regamma(m: _Models, s: _State, num_draft: int) -> _State:
+    """The state of a bucket with another γ: the catch-up buffer becomes γ+1 wide. A row holding
+    more entries than that (γ went down after a long accepted run) first lets every MTP layer
+    consume the excess, as `_catch_up` would (the entries written past it are overwritten by the
+    next catch-up). Acceptance after a change can differ from the unchanged loop's; the output
+    distribution cannot (any q gives a lossless test)."""
+    w_old, w_new = s.catch_tok_BxW.shape[1], num_draft + 1
+    if w_new >= w_old:
+        pad = ((0, 0), (0, w_new - w_old))
+        return s.replace(
+            catch_hid_BxWxD=jnp.pad(s.catch_hid_BxWxD, pad + ((0, 0),)),
+            catch_tok_BxW=jnp.pad(s.catch_tok_BxW, pad),
+        )
+    mtp_cache = s.mtp_cache
+    for j in range(m.mtp.num_layers):
+        _, _, mtp_cache = mtp_lib.extend(
+            m.mtp, m.policy, j, mtp_cache, s.catch_hid_BxWxD, s.catch_tok_BxW
+        )
+    excess_B = jnp.maximum(s.n_catch_B - w_new, 0)
+    idx_BxW = jnp.minimum(jnp.arange(w_new)[None] + excess_B[:, None], w_old - 1)
+    return s.replace(
+        mtp_cache=mtp_cache.advance(excess_B),
+        catch_hid_BxWxD=jnp.take_along_axis(s.catch_hid_BxWxD, idx_BxW[..., None], axis=1),
+        catch_tok_BxW=jnp.take_along_axis(s.catch_tok_BxW, idx_BxW, axis=1),
+        n_catch_B=s.n_catch_B - excess_B,
+    )
+
+
+def _rows(s: _State) -> tuple:
+    """What `_finalise` reads: the per-row outputs (the caches and buffers stay behind)."""
+    return s.out, s.stats, s.hid_buf, s.cyc_buf
+
+
+def _finalise(scfg: SamplingConfig, record: bool, rows: tuple, prompt_width: int) -> SpecOutput:
+    o, st, hid_buf, cyc_buf = rows
+    n = scfg.max_new_tokens
+    mask_BxN = jnp.arange(n)[None] < o.lengths[:, None]
     sample_out = SampleOutput(
-        tokens=jnp.where(mask_BxN, o.tokens[:, :n], m.scfg.pad_id),
+        tokens=jnp.where(mask_BxN, o.tokens[:, :n], scfg.pad_id),
         logprobs=jnp.where(mask_BxN, o.logprobs[:, :n], 0.0),
         entropy=jnp.where(mask_BxN, o.entropy[:, :n], 0.0),
         lengths=o.lengths,
@@ -419,10 +466,71 @@ def _finalise(m: _Models, s: _State, prompt_width: int) -> SpecOutput:
         status=jnp.where(mask_BxN, st.status[:, :n], -1),
         overlap=jnp.where(mask_BxN, st.overlap[:, :n], 0.0),
     )
-    if not m.spec.record:
+    if not record:
         return SpecOutput(sample_out, stats)
     width = prompt_width + n
-    return SpecOutput(sample_out, stats, s.hid_buf[:, :width], s.cyc_buf[:, :width])
+    return SpecOutput(sample_out, stats, hid_buf[:, :width], cyc_buf[:, :width])
+
+
+def _models(
+    pol_gd, pol_params, mtp_gd, mtp_params, draft_vocab, layers, scfg, spec, max_len, **kw
+) -> _Models:
+    policy = nnx.merge(pol_gd, pol_params)
+    vocab_Vd = None if draft_vocab is None else jnp.asarray(draft_vocab, jnp.int32)
+    layers = model.decode_layers(pol_gd, pol_params) if layers is None else layers
+    return _Models(
+        policy=policy,
+        layers=layers,
+        mtp=nnx.merge(mtp_gd, mtp_params),
+        head_DxVd=layers.head_DxV if vocab_Vd is None else mtp_lib.draft_head(policy, vocab_Vd),
+        vocab_Vd=vocab_Vd,
+        scfg=scfg,
+        spec=spec,
+        max_len=max_len,
+        **{"max_draft": spec.num_draft, **kw},
+    )
+
+
+def _cycle(m: _Models, s: _State) -> _State:
+    scfg = m.scfg
+    keys_B = _fold(s.keys_B, s.cycle + 1)  # 0: the first token
+    hid_Bx1xD = logits_BxVd = None
+    mtp_cache = s.mtp_cache
+    if m.spec.num_draft or m.sync_mtp:
+        hid_Bx1xD, logits_BxVd, mtp_cache = _catch_up(m, s)
+    anchor_B = s.policy_cache.lengths
+    drafts_BxY, d_idx_BxY, q_BxYxVd, mtp_cache = _draft(
+        m, hid_Bx1xD, logits_BxVd, mtp_cache, anchor_B, keys_B
+    )
+    logits_BxWxV, hid_BxWxD, policy_cache = _verify(m, s, drafts_BxY)
+    logp_BxWxV = process_logits(logits_BxWxV, scfg)
+    n_acc_B, next_B = accept(
+        _fold(keys_B, 0), logp_BxWxV, q_BxYxVd, d_idx_BxY, drafts_BxY, scfg, m.vocab_Vd
+    )
+    out, stats, emit_BxW, finished_B = _emit(
+        m, s, drafts_BxY, n_acc_B, next_B, logits_BxWxV, logp_BxWxV, q_BxYxVd
+    )
+    return _roll_back(
+        m,
+        s,
+        (policy_cache, mtp_cache),
+        n_acc_B,
+        next_B,
+        hid_BxWxD,
+        emit_BxW,
+        finished_B,
+        (out, stats),
+    )
+
+
+def _live(s: _State, scfg: SamplingConfig) -> jax.Array:
+    return ~s.done_B & (s.cycle < scfg.max_new_tokens)
+
+
+def _run(m: _Models, s: _State, min_live) -> _State:
+    """Cycles while more than `min_live` rows are live (0: until every row ends)."""
+    running = lambda s: jnp.sum(_live(s, m.scfg)) > min_live  # noqa: E731
+    return jax.lax.while_loop(running, functools.partial(_cycle, m), s)
 
 
 def sample(
@@ -446,57 +554,154 @@ def sample(
     the acceptance test and the residual stay exact -- the output distribution is unchanged.
     `layers`: the policy's `model.decode_layers`, made once per parameter version by a caller
     that samples repeatedly (made here otherwise: a copy of every weight per call)."""
-    policy = nnx.merge(pol_gd, pol_params)
     rows, width = prompt_BxP.shape
-    vocab_Vd = None if draft_vocab is None else jnp.asarray(draft_vocab, jnp.int32)
-    layers = model.decode_layers(pol_gd, pol_params) if layers is None else layers
-    m = _Models(
-        policy=policy,
-        layers=layers,
-        mtp=nnx.merge(mtp_gd, mtp_params),
-        head_DxVd=layers.head_DxV if vocab_Vd is None else mtp_lib.draft_head(policy, vocab_Vd),
-        vocab_Vd=vocab_Vd,
-        scfg=scfg,
-        spec=spec,
-        max_len=width + scfg.max_new_tokens + spec.num_draft + 1,
+    max_len = width + scfg.max_new_tokens + spec.num_draft + 1
+    m = _models(
+        *(pol_gd, pol_params, mtp_gd, mtp_params, draft_vocab, layers, scfg, spec, max_len),
+        sync_mtp=spec.num_draft > 0,  # γ = 0 throughout: the MTP never drafts
     )
     row_keys_B = jax.vmap(jax.random.fold_in, (None, 0))(rng, jnp.arange(rows))
     state = _init(m, pol_gd, pol_params, prompt_BxP, prompt_lens_B, row_keys_B)
-
-    def cycle(s: _State) -> _State:
-        keys_B = _fold(row_keys_B, s.cycle + 1)  # 0: the first token
-        hid_Bx1xD, logits_BxVd, mtp_cache = _catch_up(m, s)
-        anchor_B = s.policy_cache.lengths
-        drafts_BxY, d_idx_BxY, q_BxYxVd, mtp_cache = _draft(
-            m, hid_Bx1xD, logits_BxVd, mtp_cache, anchor_B, keys_B
-        )
-        logits_BxWxV, hid_BxWxD, policy_cache = _verify(m, s, drafts_BxY)
-        logp_BxWxV = process_logits(logits_BxWxV, scfg)
-        n_acc_B, next_B = accept(
-            _fold(keys_B, 0), logp_BxWxV, q_BxYxVd, d_idx_BxY, drafts_BxY, scfg, vocab_Vd
-        )
-        out, stats, emit_BxW, finished_B = _emit(
-            m, s, drafts_BxY, n_acc_B, next_B, logits_BxWxV, logp_BxWxV, q_BxYxVd
-        )
-        return _roll_back(
-            m,
-            s,
-            (policy_cache, mtp_cache),
-            n_acc_B,
-            next_B,
-            hid_BxWxD,
-            emit_BxW,
-            finished_B,
-            (out, stats),
-        )
-
-    def running(s: _State):
-        return (s.cycle < scfg.max_new_tokens) & ~jnp.all(s.done_B)
-
-    return _finalise(m, jax.lax.while_loop(running, cycle, state), width)
+    return _finalise(scfg, spec.record, _rows(_run(m, state, 0)), width)
 
 
 sample_jit = jax.jit(sample, static_argnames=("pol_gd", "mtp_gd", "scfg", "spec"))
+
+# ----------------------------------------------------------------------------- compaction
+
+_STATIC = ("pol_gd", "mtp_gd", "scfg", "spec", "max_draft", "sync_mtp")
+
+
+@functools.partial(jax.jit, static_argnames=_STATIC[:5])
+def _init_jit(
+    pol_gd,
+    pol_params,
+    mtp_gd,
+    mtp_params,
+    draft_vocab,
+    layers,
+    toks,
+    lens,
+    rng,
+    scfg,
+    spec,
+    max_draft,
+):
+    rows, width = toks.shape
+    max_len = width + scfg.max_new_tokens + max_draft + 1
+    m = _models(
+        pol_gd,
+        pol_params,
+        mtp_gd,
+        mtp_params,
+        draft_vocab,
+        layers,
+        scfg,
+        spec,
+        max_len,
+        max_draft=max_draft,
+    )
+    row_keys_B = jax.vmap(jax.random.fold_in, (None, 0))(rng, jnp.arange(rows))
+    return _init(m, pol_gd, pol_params, toks, lens, row_keys_B)
+
+
+def _bucket_models(args, s: _State, scfg, spec, max_draft, sync_mtp) -> _Models:
+    max_len = s.policy_cache.k[0].shape[2]  # the caches' S, set by `_init_jit`
+    return _models(*args, scfg, spec, max_len, max_draft=max_draft, sync_mtp=sync_mtp)
+
+
+@functools.partial(jax.jit, static_argnames=_STATIC, donate_argnames=("s",))
+def _run_jit(
+    pol_gd,
+    pol_params,
+    mtp_gd,
+    mtp_params,
+    draft_vocab,
+    layers,
+    s,
+    min_live,
+    scfg,
+    spec,
+    max_draft,
+    sync_mtp,
+):
+    args = (pol_gd, pol_params, mtp_gd, mtp_params, draft_vocab, layers)
+    return _run(_bucket_models(args, s, scfg, spec, max_draft, sync_mtp), s, min_live)
+
+
+@functools.partial(jax.jit, static_argnames=(*_STATIC, "num_draft"))
+def _regamma_jit(
+    pol_gd,
+    pol_params,
+    mtp_gd,
+    mtp_params,
+    draft_vocab,
+    layers,
+    s,
+    scfg,
+    spec,
+    max_draft,
+    sync_mtp,
+    num_draft,
+):
+    args = (pol_gd, pol_params, mtp_gd, mtp_params, draft_vocab, layers)
+    return _regamma(_bucket_models(args, s, scfg, spec, max_draft, sync_mtp), s, num_draft)
+
+
+_finalise_jit = jax.jit(_finalise, static_argnums=(0, 1, 3))
+
+
+def sample_compacted(
+    pol_gd,
+    pol_params,
+    mtp_gd,
+    mtp_params,
+    prompt_BxP,
+    prompt_lens_B,
+    rng,
+    scfg: SamplingConfig,
+    spec: SpecConfig,
+    draft_vocab=None,
+    layers=None,
+    min_bucket: int = 8,
+    draft_table: tuple = (),
+) -> SpecOutput:
+    """`sample` with tail-aware compaction (`bebop/compaction.py`): each time the live rows fall
+    to half, the loop continues with half the rows, down to `min_bucket`; outputs in the original
+    row order. With an empty `draft_table` the same samples as `sample_jit` for the same keys
+    (log-probs and entropies to float rounding across batch sizes: see `compaction`).
+
+    `draft_table`: (batch size, γ) pairs; a bucket of b rows drafts the γ of the largest batch
+    size <= b (`spec.num_draft` below them all; `compaction.draft_for_batch`). γ = 0 verifies
+    the pending token alone: one policy step per token, the MTP still consuming each token while
+    a later bucket drafts again (and idle once none does). Per-position statistics are as wide as
+    the largest γ. Lossless at every γ; the samples differ from a fixed-γ loop's."""
+    batch, width = prompt_BxP.shape
+    sizes = compaction.bucket_sizes(batch, min_bucket)
+    gammas = [compaction.draft_for_batch(draft_table, b, spec.num_draft) for b in sizes]
+    plan = {  # bucket size -> (its SpecConfig, whether a later bucket drafts)
+        b: (dataclasses.replace(spec, num_draft=g), any(gammas[i + 1 :]))
+        for i, (b, g) in enumerate(zip(sizes, gammas, strict=True))
+    }
+    max_draft = max(gammas)
+    layers = model.decode_layers_jit(pol_gd, pol_params) if layers is None else layers
+    args = (pol_gd, pol_params, mtp_gd, mtp_params, draft_vocab, layers)
+    s = _init_jit(*args, prompt_BxP, prompt_lens_B, rng, scfg, plan[batch][0], max_draft)
+
+    def advance(s, min_live):
+        spec_b, later = plan[s.done_B.shape[0]]
+        return _run_jit(*args, s, jnp.int32(min_live), scfg, spec_b, max_draft, later)
+
+    def regroup(s, size):
+        spec_b, later = plan[size]
+        if spec_b.num_draft + 1 == s.catch_tok_BxW.shape[1]:
+            return s
+        return _regamma_jit(*args, s, scfg, spec_b, max_draft, later, spec_b.num_draft)
+
+    rows = compaction.run(
+        s, advance, lambda s: _live(s, scfg), _rows, min_bucket=min_bucket, regroup=regroup
+    )
+    return _finalise_jit(scfg, spec.record, rows, width)
 
 
 def draft_positions(status_BxN) -> np.ndarray:

@@ -11,7 +11,7 @@ def base(model: dict, policy: dict, stages) -> ml_collections.ConfigDict:
     c = defaults()
     c.stages = tuple(stages)
     # Architecture fields are placeholders: a gguf/hf policy's come from its checkpoint; only
-    # dtype and scan_layers apply.
+    # dtype, param_dtype and scan_layers apply.
     c.model.update(
         vocab_size=1, dim=8, num_layers=1, num_heads=1, num_kv_heads=1, head_dim=8, ffw_dim=8
     )

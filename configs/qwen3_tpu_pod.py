@@ -6,13 +6,15 @@ lets `jax.distributed.initialize()` discover the pod. Data parallel across hosts
 """
 
 from bebop.config import parse_arg
+from configs import qwen3_gpu
 from configs.common import base
 
 
 def get_config(arg=None):
     a = parse_arg(arg, runlocal=False)
     c = base(
-        model=dict(dtype="bfloat16"),
+        # bf16 compute (matmuls, activations, KV cache), float32 master weights and AdamW state
+        model=dict(dtype="bfloat16", param_dtype="float32"),
         policy=dict(source="hf", path="/models/Qwen3-8B"),
         stages=("distill", "mtp", "rl"),
     )
@@ -23,7 +25,8 @@ def get_config(arg=None):
     c.distill.update(num_samples=32768, batch_size=1024)
     c.mtp.update(steps=4000, batch_size=256, chunk=16384)
     c.rl.update(steps=1000, prompts_per_step=256, group_size=16, max_staleness=2)
-    if a.runlocal:
-        c.rl.update(steps=2, prompts_per_step=2, group_size=2)
+    if a.runlocal:  # the smoke run of configs/qwen3_gpu.py, on this host's devices
+        qwen3_gpu.smoke(c)
         c.distributed.auto = False
+        c.mesh.update(data=1, fsdp=-1)  # FSDP over however many local devices there are
     return c

@@ -16,7 +16,7 @@ from safetensors import safe_open
 from bebop import config as config_lib
 from bebop import export, model, policies
 from bebop import mtp as mtp_lib
-from bebop.checkpoints import LoadedPolicy, hf
+from bebop.checkpoints import LoadedPolicy, hf, tokenizer_files
 from bebop.ckpt import Checkpointer
 from bebop.config import ConfigError, RunConfig
 from bebop.rl import stage as rl_stage
@@ -45,7 +45,7 @@ def _perturb(state, seed: int, scale: float):
 
 def _tokenizer_files(directory):
     """The demo's char tokenizer as the HF source's tokenizer (28 ids, within its 96 rows)."""
-    export.char_tokenizer_json(CharTokenizer()).save(str(directory / "tokenizer.json"))
+    tokenizer_files.char_tokenizer_json(CharTokenizer()).save(str(directory / "tokenizer.json"))
     (directory / "generation_config.json").write_text(
         json.dumps({"bos_token_id": 1, "eos_token_id": 2})
     )
@@ -241,7 +241,7 @@ def test_gguf_tokenizer_files_encode_like_bebop(tmp_path):
     }
     tok = BPETokenizer.from_gguf_fields(fields)
     cfg = dataclasses.replace(RunConfig(), policy=config_lib.PolicyConfig("gguf"))
-    ids = export.write_tokenizer(tmp_path, cfg, tok)
+    ids = tokenizer_files.write_tokenizer(tmp_path, cfg, tok)
     assert ids == {"bos": n - 3, "eos": [n - 1, n - 3], "pad": n - 3}  # + <|endoftext|>
     ref = transformers.AutoTokenizer.from_pretrained(tmp_path)
     for s in ["the theme 1234", "héllo — 你好\n\t x", "<|im_start|>user\nhi<|im_end|>"]:

@@ -90,8 +90,9 @@ def _fields(reader) -> dict:
     return out
 
 
-def read(path, dtype="float32", scan_layers=True):
-    """(ModelConfig, {HF name: float32 array}, tokenizer) from a llama-architecture GGUF."""
+def read(path, dtype="float32", scan_layers=True, param_dtype="float32"):
+    """(ModelConfig, {HF name: float32 array}, tokenizer) from a llama-architecture GGUF;
+    `dtype` (compute) and `param_dtype` (stored weights) go into the ModelConfig."""
     import gguf
 
     path = Path(path)
@@ -119,6 +120,7 @@ def read(path, dtype="float32", scan_layers=True):
         norm_eps=float(meta["llama.attention.layer_norm_rms_epsilon"]),
         tie_embeddings="output.weight" not in names,
         dtype=dtype,
+        param_dtype=param_dtype,
         scan_layers=scan_layers,
     )
     arrays = {}
@@ -147,8 +149,8 @@ def read(path, dtype="float32", scan_layers=True):
     return cfg, arrays, BPETokenizer.from_gguf_fields(meta, str(path))
 
 
-def load(path, mesh, dtype="float32", scan_layers=True) -> LoadedPolicy:
-    """The policy with its parameters placed on `mesh` and its tokenizer."""
-    cfg, arrays, tok = read(path, dtype, scan_layers)
+def load(path, mesh, dtype="float32", scan_layers=True, param_dtype="float32") -> LoadedPolicy:
+    """The policy with its parameters (in `param_dtype`) placed on `mesh` and its tokenizer."""
+    cfg, arrays, tok = read(path, dtype, scan_layers, param_dtype)
     loaded = hf.load_source(hf.ArraySource(arrays, str(path)), cfg, mesh)
     return dataclasses.replace(loaded, tok=tok)

@@ -38,7 +38,11 @@ class CheckpointError(ValueError):
 # ----------------------------------------------------------------------------- config
 
 
-def config_from_hf(hf: dict, source: str = "config.json", dtype="float32", scan_layers=True):
+def config_from_hf(
+    hf: dict, source: str = "config.json", dtype="float32", scan_layers=True, param_dtype="float32"
+):
+    """The architecture of an HF config.json; `dtype` (compute), `param_dtype` (stored weights)
+    and `scan_layers` are bebop's own (`ModelConfig`)."""
     model_type = hf.get("model_type")
     if model_type not in ARCHITECTURES:
         raise CheckpointError(
@@ -74,6 +78,7 @@ def config_from_hf(hf: dict, source: str = "config.json", dtype="float32", scan_
         qk_norm=model_type == "qwen3",
         tie_embeddings=bool(hf.get("tie_word_embeddings", False)),
         dtype=dtype,
+        param_dtype=param_dtype,
         scan_layers=scan_layers,
     )
 
@@ -240,8 +245,9 @@ def _policy_name(path, layer):
 
 
 def load_source(source, cfg: ModelConfig, mesh, mtp_layers: int | None = None) -> LoadedPolicy:
-    """Loads policy (and MTP layers, when present) from a tensor source onto `mesh`."""
-    dtype = model.DTYPES[cfg.dtype]
+    """Loads policy (and MTP layers, when present) from a tensor source onto `mesh`, stored in
+    `cfg.param_dtype`."""
+    dtype = model.DTYPES[cfg.param_dtype]
     used: set[str] = set()
     graphdef, abstract = model.abstract(cfg)
     arrays = _fill(abstract, mesh, source, _policy_name, used, dtype)
@@ -276,7 +282,7 @@ def _count_mtp_layers(all_names, fmt, num_policy_layers) -> int:
     return max(n, 1)
 
 
-def load(directory, mesh, dtype="float32", scan_layers=True) -> LoadedPolicy:
+def load(directory, mesh, dtype="float32", scan_layers=True, param_dtype="float32") -> LoadedPolicy:
     directory = Path(directory)
     cfg_path = directory / "config.json"
     if not cfg_path.exists():
@@ -287,7 +293,7 @@ def load(directory, mesh, dtype="float32", scan_layers=True) -> LoadedPolicy:
         raise CheckpointError(str(e)) from e
     if not isinstance(hf_cfg, dict):
         raise CheckpointError(f"{cfg_path}: expected a JSON object, got {type(hf_cfg).__name__}")
-    cfg = config_from_hf(hf_cfg, str(cfg_path), dtype, scan_layers)
+    cfg = config_from_hf(hf_cfg, str(cfg_path), dtype, scan_layers, param_dtype)
     return load_source(SafetensorsSource(directory), cfg, mesh)
 
 

@@ -1,0 +1,135 @@
+"""Tail-aware decoding: when the live rows of a batch fall to half, continue with half the rows.
+
+A decode loop runs every row until the longest one ends; an RL batch whose median response is
+half its longest wastes about half its compute on finished rows. `run` is the host-level driver
+both samplers share (`sampling.sample_compacted`, `speculative.sample_compacted`): it runs the
+sampler's jitted while-loop at batch b until at most b/2 rows are live (the bound is a traced
+argument: one compilation per bucket size b, b/2, b/4, ... down to `min_bucket`), gathers the
+live rows, padded to exactly b/2 with distinct finished ones, out of every batch-leading leaf of
+the loop state (the state's scalar counter is shared), and goes on. Below `min_bucket` the last
+bucket runs to the end. Each row's results are scattered back to its original row at every
+compaction and at the end (a padded finished row writes back what it already held).
+
+Every row draws from its own key stream, carried in the state with its row, so compaction never
+changes a sample. The arithmetic can differ: XLA's CPU matmuls are not bit-identical across batch
+sizes (measured: a dim-128, vocab-512 policy's logits moved by up to 1.7e-5 between batch 16 and
+batches 8 .. 1; the tests' smaller policies: at most 1e-6 in any output), so log-probs and
+entropies agree to that order (the tests use 1e-5), and a token drawn within that distance of a
+sampling boundary could in principle differ (never observed).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Mapping, Sequence
+
+import jax
+import numpy as np
+
+
+def bucket_sizes(batch: int, min_bucket: int) -> list[int]:
+    """The compiled batch sizes: `batch`, then halves while they are at least `min_bucket`."""
+    sizes = [batch]
+    while sizes[-1] // 2 >= max(min_bucket, 1):
+        sizes.append(sizes[-1] // 2)
+    return sizes
+
+
+def live_first(live_B: np.ndarray, size: int) -> np.ndarray:
+    """`size` distinct row indices, every live row first (stable: rows keep their order)."""
+    if live_B.sum() > size:
+        raise ValueError(f"{int(live_B.sum())} live rows do not fit a bucket of {size}")
+    return np.argsort(~live_B, kind="stable")[:size].astype(np.int32)
+
+
+@jax.jit
+def gather_rows(state, idx_b):
+    """Rows `idx_b` of every batch-leading leaf; scalar leaves (loop counters) are shared."""
+    return jax.tree.map(lambda x: x if x.ndim == 0 else x[idx_b], state)
+
+
+@jax.jit
+def scatter_rows(full, part, orig_b):
+    """Writes the per-row leaves of `part` back into `full` at original rows `orig_b`."""
+    return jax.tree.map(lambda f, p: f.at[orig_b].set(p), full, part)
+
+
+def run(
+    state,
+    advance: Callable,
+    live: Callable,
+    results: Callable,
+    min_bucket: int,
+    regroup: Callable | None = None,
+):
+    """Runs a decode loop with compaction; returns `results` of every row in the original order.
+
+    `advance(state, min_live)` runs the jitted loop while more than `min_live` rows are live (0:
+    to the end); `live(state)` -> bool `[b]`: rows that still decode; `results(state)` -> a
+    pytree of per-row arrays (batch first); `regroup(state, size)`: optional, called after each
+    compaction to adapt the state to the new bucket size (e.g. another draft length)."""
+    sizes = bucket_sizes(live(state).shape[0], min_bucket)
+    orig_b = np.arange(sizes[0], dtype=np.int32)
+    full = None
+    for next_size in sizes[1:] + [0]:  # 0: the last bucket runs to the end
+        state = advance(state, next_size)
+        part = results(state)
+        full = part if full is None else scatter_rows(full, part, orig_b)
+        live_B = np.asarray(live(state))
+        if not next_size or not live_B.any():
+            break
+        idx_b = live_first(live_B, next_size)
+        state, orig_b = gather_rows(state, idx_b), orig_b[idx_b]
+        if regroup is not None:
+            state = regroup(state, next_size)
+    return full
+
+
+# ----------------------------------------------------------------------------- draft length
+
+
+def draft_for_batch(table: Sequence[tuple[int, int]], batch: int, default: int) -> int:
+    """γ of a bucket of `batch` rows from (batch size, γ) pairs: that of the largest batch size
+    <= `batch`; `default` when every batch size in the table is larger (or it is empty)."""
+    fits = [(b, g) for b, g in table if b <= batch]
+    return max(fits)[1] if fits else default
+
+
+def expected_tokens(alpha: float, num_draft: int) -> float:
+    """Tokens per verify when each draft is accepted with probability `alpha` independently:
+    1 + α + ... + α^γ = (1 - α^(γ+1)) / (1 - α) (docs/method.md §2)."""
+    if alpha >= 1.0:
+        return float(num_draft + 1)
+    return (1.0 - alpha ** (num_draft + 1)) / (1.0 - alpha)
+
+
+def choose_num_draft(
+    alpha: float, t_step: float, t_verify: Mapping[int, float], t_draft: float, max_draft: int
+) -> int:
+    """The γ in 0..`max_draft` with the most expected tokens per second at one batch size: γ = 0
+    is plain decoding, 1 token per `t_step`; γ >= 1 gives `expected_tokens(alpha, γ)` per cycle of
+    `t_verify[γ + 1] + γ * t_draft` (one policy forward over γ+1 tokens, the MTP's catch-up and
+    γ-1 chain steps). Ties go to the smaller γ.
+
+    Costs: the seconds per iteration `benchmarks/rollout.py::loop_costs` measures at that batch
+    size (`verify_{W}`, `draft`; `t_step` may be `verify_1`); `alpha`: the running acceptance,
+    e.g. `speculative.summarize(...)["accept_rate"]` of recent rollouts. The geometric model
+    ignores that acceptance falls with the draft position, so it errs towards larger γ."""
+    best, best_rate = 0, 1.0 / t_step
+    for g in range(1, max_draft + 1):
+        rate = expected_tokens(alpha, g) / (t_verify[g + 1] + g * t_draft)
+        if rate > best_rate * (1 + 1e-9):
+            best, best_rate = g, rate
+    return best
+
+
+def draft_table(
+    alpha: float, costs: Mapping[int, dict], max_draft: int
+) -> tuple[tuple[int, int], ...]:
+    """A `rollout.draft_table` from measured costs: `costs[b]` holds `step`, `draft` and
+    `verify_{W}` seconds at batch size b (W = 2 .. max_draft + 1); each b gets
+    `choose_num_draft`."""
+    table = []
+    for b, c in sorted(costs.items()):
+        verify = {w: c[f"verify_{w}"] for w in range(2, max_draft + 2)}
+        table.append((b, choose_num_draft(alpha, c["step"], verify, c["draft"], max_draft)))
+    return tuple(table)

@@ -1,0 +1,152 @@
+"""Tail-aware rollouts: wall time of one RL-shaped rollout, static vs compacted batches.
+
+    python benchmarks/tail.py --model demo --workdir runs/demo_base          # B=64 demo prompts
+    python benchmarks/tail.py --model smollm2 --batch 16 --new_tokens 256 [--mtp_ckpt DIR]
+
+One batch of `--batch` rows (the RL task's held-out prompts, each once; the demo's rollout
+temperature and token budget unless given), sampled with the real response-length
+distribution, four ways: the static plain loop (every row runs until the longest ends),
+compacted plain (`sampling.sample_compacted`: half the rows each time the live rows fall to
+half), the static speculative loop at `--gamma`, and compacted speculative with a γ per bucket
+(`--draft_table`, e.g. "64:0,16:2"; `auto`: `compaction.draft_table` from the verify / draft
+costs `benchmarks/rollout.py::loop_costs` measures at each bucket size and the static
+speculative run's acceptance). Wall time: best of `--repeats` after a warm-up call that compiles.
+Prints each variant's time and its ratio to the static plain loop; last line: one JSON object.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import time
+from pathlib import Path
+
+import jax
+import numpy as np
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from bebop import compaction, model, sampling, sharding, speculative  # noqa: E402
+from bebop import config as config_lib  # noqa: E402
+from benchmarks.rollout import load_models, loop_costs  # noqa: E402
+
+
+def best_time(fn, repeats: int):
+    out = jax.block_until_ready(fn())  # compiles
+    best = float("inf")
+    for _ in range(repeats):
+        t0 = time.perf_counter()
+        out = jax.block_until_ready(fn())
+        best = min(best, time.perf_counter() - t0)
+    return best, out
+
+
+def parse_table(text: str) -> tuple[tuple[int, int], ...]:
+    return tuple(tuple(int(x) for x in item.split(":")) for item in text.split(",") if item)
+
+
+def main():
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--model", choices=["demo", "smollm2"], default="demo")
+    ap.add_argument("--workdir", default="runs/demo_base")
+    ap.add_argument("--mtp_ckpt", default="")
+    ap.add_argument("--batch", type=int, default=64)
+    ap.add_argument("--new_tokens", type=int, default=0, help="0: the run's rollout budget")
+    ap.add_argument("--temperature", type=float, default=-1.0, help="<0: the run's")
+    ap.add_argument("--rule", default="rejection")
+    ap.add_argument("--gamma", type=int, default=3)
+    ap.add_argument("--draft_table", default="auto")
+    ap.add_argument("--min_bucket", type=int, default=8)
+    ap.add_argument("--repeats", type=int, default=3)
+    ap.add_argument("--prompts", choices=["task", "mixed"], default="task")
+    args = ap.parse_args()
+    args.num_prompts = args.batch
+
+    mesh = sharding.make_mesh(config_lib.MeshConfig(data=1), jax.devices()[:1])
+    pol, mtp, vocab, tok, ids, mtp_source = load_models(args, mesh)
+    rollout = config_lib.RolloutConfig()
+    if args.model == "demo":
+        run_cfg = json.loads((Path(args.workdir) / "config.json").read_text())
+        rollout = config_lib.from_dict(config_lib.RolloutConfig, run_cfg["rollout"], "rollout.")
+    scfg = sampling.SamplingConfig(
+        temperature=rollout.temperature if args.temperature < 0 else args.temperature,
+        top_p=rollout.top_p,
+        top_k=rollout.top_k,
+        max_new_tokens=args.new_tokens or rollout.max_new_tokens,
+        eos_ids=tuple(tok.eos_ids),
+        pad_id=tok.pad_id,
+    )
+    toks, lens = sampling.pad_prompts(ids[: args.batch], tok.pad_id)
+    layers = model.decode_layers_jit(*pol)
+    key, mb = jax.random.key(0), args.min_bucket
+    spec = speculative.SpecConfig(args.gamma, args.rule)
+    vocab = None if vocab is None else jax.numpy.asarray(vocab)
+
+    res, outs = {}, {}
+    res["static_plain_s"], outs["static_plain"] = best_time(
+        lambda: sampling.sample_jit(*pol, toks, lens, key, scfg, layers), args.repeats
+    )
+    res["compact_plain_s"], outs["compact_plain"] = best_time(
+        lambda: sampling.sample_compacted(*pol, toks, lens, key, scfg, layers, mb), args.repeats
+    )
+    res["static_spec_s"], static_spec = best_time(
+        lambda: speculative.sample_jit(*pol, *mtp, toks, lens, key, scfg, spec, vocab, layers),
+        args.repeats,
+    )
+    summ = speculative.summarize(static_spec)
+    if args.draft_table == "auto":
+        context = int(toks.shape[1]) + scfg.max_new_tokens // 2
+        gammas = list(range(1, args.gamma + 1))
+        costs = {}
+        for b in compaction.bucket_sizes(args.batch, mb):
+            c = loop_costs(pol, layers, mtp, vocab, b, context, gammas, repeats=args.repeats)
+            costs[b] = {**c, "step": c["verify_1"]}
+        table = compaction.draft_table(summ["accept_rate"], costs, args.gamma)
+    else:
+        table = parse_table(args.draft_table)
+    res["compact_spec_s"], compact_spec = best_time(
+        lambda: speculative.sample_compacted(
+            *pol, *mtp, toks, lens, key, scfg, spec, vocab, layers, mb, table
+        ),
+        args.repeats,
+    )
+    lengths = np.asarray(outs["static_plain"].lengths)
+    same = bool(np.array_equal(lengths, np.asarray(outs["compact_plain"].lengths)))
+    base = res["static_plain_s"]
+    for name in ("compact_plain", "static_spec", "compact_spec"):
+        res[f"{name}_speedup"] = base / res[f"{name}_s"]
+    print(
+        f"B={args.batch} lengths median {np.median(lengths):.0f} max {lengths.max()} "
+        f"(budget {scfg.max_new_tokens})  draft table {table}  accept_rate "
+        f"{summ['accept_rate']:.2f}\n"
+        f"static plain {base:.2f} s  compacted plain {res['compact_plain_s']:.2f} s "
+        f"({res['compact_plain_speedup']:.2f}x)  static spec γ={args.gamma} "
+        f"{res['static_spec_s']:.2f} s ({res['static_spec_speedup']:.2f}x)  compacted spec "
+        f"{res['compact_spec_s']:.2f} s ({res['compact_spec_speedup']:.2f}x)",
+        flush=True,
+    )
+    print(
+        json.dumps(
+            {
+                "model": args.model,
+                "mtp": mtp_source,
+                "batch": args.batch,
+                "new_tokens": scfg.max_new_tokens,
+                "temperature": scfg.temperature,
+                "rule": args.rule,
+                "gamma": args.gamma,
+                "min_bucket": mb,
+                "draft_table": table,
+                "accept_rate": summ["accept_rate"],
+                "length_median": float(np.median(lengths)),
+                "length_max": int(lengths.max()),
+                "compact_plain_same_lengths": same,
+                **res,
+            }
+        )
+    )
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,82 @@
+"""Learning curves of one run of the SmolLM2 MTP recipe (`configs/mtp_smollm2.py`).
+
+Reads `DIR/mtp/metrics.jsonl` and draws, against the training step: the held-out accept length
+(RS and TO on wordmath prompts, RS on mixed chat; γ = 3, T = 1), the held-out RS acceptance per
+draft position, and the training batches' own per-position α (teacher-forced, analytic). Writes
+`curves.png`, `per_position.png` and `results.json` here. Last line: JSON.
+
+    python experiments/mtp_recipe/plot.py [--workdir runs/mtp_smollm2]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from pathlib import Path
+
+import numpy as np
+
+REPO = Path(__file__).resolve().parents[2]
+sys.path.insert(0, str(REPO))
+
+from bebop import plots  # noqa: E402
+
+HERE = Path(__file__).resolve().parent
+SETTING = "SmolLM2 MTP (e2e TV, 1536 distilled answers), γ = 3, T = 1"
+
+
+def windowed(x, y, width: int):
+    """Means of y over consecutive windows of `width` steps (the training batches are noisy)."""
+    edges = np.arange(0, x.max() + width, width)
+    idx = np.digitize(x, edges[1:-1])
+    keep = [i for i in range(len(edges) - 1) if (idx == i).any()]
+    return edges[1:][keep], np.asarray([y[idx == i].mean() for i in keep])
+
+
+def main():
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--workdir", default="runs/mtp_smollm2")
+    args = ap.parse_args()
+    records = plots.read_metrics(REPO / args.workdir / "mtp" / "metrics.jsonl")
+    held_out = {
+        "RS, wordmath": "eval/rejection/accept_len",
+        "TO, wordmath": "eval/target_only/accept_len",
+        "RS, mixed chat": "eval/mixed/rejection/accept_len",
+    }
+    curves = {label: plots.series(records, key) for label, key in held_out.items()}
+    x, y = plots.series(records, "accept_len")  # training batches, teacher-forced
+    curves["training batches (analytic)"] = windowed(x, y, 150)
+    plots.lines(
+        HERE / "curves.png",
+        curves,
+        "MTP training step",
+        "accept length (tokens / verify)",
+        f"{SETTING}: held-out prompts",
+    )
+    per_pos = {}
+    for k in (1, 2, 3):
+        per_pos[f"held-out RS, position {k}"] = plots.series(
+            records, f"eval/rejection/accept_rate_{k}"
+        )
+        x, y = plots.series(records, f"alpha_{k}")
+        per_pos[f"training α, position {k}"] = windowed(x, y, 150)
+    plots.lines(
+        HERE / "per_position.png",
+        per_pos,
+        "MTP training step",
+        "acceptance at draft position k",
+        f"{SETTING}: per position",
+    )
+    out = {
+        label: [[float(a), float(b)] for a, b in zip(*c, strict=True)]
+        for label, c in curves.items()
+    }
+    (HERE / "results.json").write_text(
+        json.dumps({"workdir": args.workdir, "curves": out}, indent=1)
+    )
+    print(json.dumps({label: c[-1] for label, c in out.items()}))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,232 @@
+"""Tail-aware rollouts (bebop/compaction.py): compacted sampling gives the uncompacted loop's
+samples; with a per-bucket draft length it stays lossless (chi-square) and greedy-exact; the
+draft-length cost model on known costs; the config keys."""
+
+import dataclasses
+import itertools
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from bebop import compaction, config, model, sampling, speculative
+from bebop import mtp as mtp_lib
+from bebop.speculative import SpecConfig
+
+from .conftest import REPO
+from .test_speculative import SMALL, V_SMALL, _broken_rule, _chi2_pvalue, _models
+
+# Prompts and EOS ids under which the test policies' rows end at very different lengths
+# (1 to ~20 of 24 tokens): two compactions, 8 -> 4 -> 2 rows.
+_rng = np.random.default_rng(0)
+PROMPTS = [list(_rng.integers(3, 16, size=_rng.integers(1, 6))) for _ in range(8)]
+N = 24
+EOS = (12,)  # the bigram policies ("agrees_often", "copy")
+RANDOM_EOS = (5,)  # the random policy
+
+
+def _spread(lengths):
+    """At least 6 of the 8 rows end before the longest: the loop compacts twice."""
+    lengths = np.asarray(lengths)
+    assert (lengths < lengths.max()).sum() >= 6 and lengths.min() < lengths.max() / 3, lengths
+
+
+def _assert_same(a, b):
+    """Tokens, lengths and integer statistics exactly; floats to the cross-batch-size rounding
+    of XLA's CPU matmuls (`compaction`)."""
+
+    def same(x, y):
+        if np.issubdtype(x.dtype, np.integer):
+            np.testing.assert_array_equal(x, y)
+        else:
+            np.testing.assert_allclose(x, y, atol=1e-5, rtol=1e-5)
+
+    jax.tree.map(same, jax.device_get(a), jax.device_get(b))
+
+
+def test_plain_compacted_equals_uncompacted():
+    pol, _ = _models("random")
+    scfg = sampling.SamplingConfig(temperature=1.0, max_new_tokens=N, eos_ids=RANDOM_EOS)
+    toks, lens = sampling.pad_prompts(PROMPTS)
+    ref = sampling.sample_jit(*pol, toks, lens, jax.random.key(1), scfg)
+    out = sampling.sample_compacted(*pol, toks, lens, jax.random.key(1), scfg, min_bucket=2)
+    _spread(ref.lengths)
+    _assert_same(out, ref)
+
+
+@pytest.mark.parametrize("rule", ["rejection", "target_only"])
+def test_speculative_compacted_equals_uncompacted(rule):
+    """Every output, statistics and recorded hiddens / cycle lengths included."""
+    pol, mtp = _models("agrees_often")
+    scfg = sampling.SamplingConfig(temperature=1.0, max_new_tokens=N, eos_ids=EOS)
+    spec = SpecConfig(3, rule, record=True)
+    toks, lens = sampling.pad_prompts(PROMPTS)
+    key = jax.random.key(2)
+    ref = speculative.sample_jit(*pol, *mtp, toks, lens, key, scfg, spec)
+    out = speculative.sample_compacted(*pol, *mtp, toks, lens, key, scfg, spec, min_bucket=2)
+    _spread(ref.sample.lengths)
+    assert 0 < ref.stats.accepts.sum() < ref.stats.attempts.sum()
+    _assert_same(out, ref)
+
+
+# Buckets of 8, 4, 2 rows: plain decoding, then γ = 3, then γ = 1 (the MTP consumes the excess
+# of a long accepted run when γ goes down).
+TABLE = ((8, 0), (4, 3), (2, 1))
+
+
+def test_greedy_speculative_with_compaction_and_a_draft_table_equals_plain():
+    """The bigram policy's greedy chains reach EOS 14 from these last prompt tokens after 1, 1,
+    2, 2, 3, 4 tokens, never from the last two: the loop runs at 8, 4 and 2 rows."""
+    pol, mtp = _models("agrees_often")
+    scfg = sampling.SamplingConfig(temperature=0.0, max_new_tokens=N, eos_ids=(14,))
+    toks, lens = sampling.pad_prompts([[1, t] for t in (3, 4, 12, 5, 9, 10, 6, 15)])
+    plain = jax.device_get(sampling.sample_jit(*pol, toks, lens, jax.random.key(0), scfg))
+    _spread(plain.lengths)
+    out = speculative.sample_compacted(
+        *(*pol, *mtp, toks, lens, jax.random.key(0), scfg, SpecConfig(2, "rejection")),
+        min_bucket=2,
+        draft_table=TABLE,
+    )
+    out = jax.device_get(out)
+    np.testing.assert_array_equal(out.sample.lengths, plain.lengths)
+    np.testing.assert_array_equal(out.sample.tokens, plain.tokens)
+    np.testing.assert_allclose(out.sample.logprobs, plain.logprobs, atol=1e-5)
+    assert out.stats.attempts.shape[1] == 3  # as wide as the table's largest γ
+    assert out.stats.attempts.sum() > 0  # drafted after the γ = 0 bucket
+
+
+def test_copy_mtp_accepts_every_draft_as_the_draft_length_changes():
+    """q = p exactly (a bigram policy and its copy as the MTP): every draft is accepted, in
+    every bucket, whatever γ -- so the catch-up buffer still ends at the right token after each
+    change of γ (a misaligned one drafts from another token's q). The counters stay consistent."""
+    pol, mtp = _models("copy")
+    scfg = sampling.SamplingConfig(temperature=1.0, max_new_tokens=N, eos_ids=EOS)
+    toks, lens = sampling.pad_prompts(PROMPTS)
+    table = ((8, 4), (4, 2), (2, 1))  # γ only goes down: the excess path
+    out = speculative.sample_compacted(
+        *(*pol, *mtp, toks, lens, jax.random.key(3), scfg, SpecConfig(3, "rejection")),
+        min_bucket=2,
+        draft_table=table,
+    )
+    st, lengths = jax.device_get(out.stats), np.asarray(out.sample.lengths)
+    _spread(lengths)
+    np.testing.assert_array_equal(st.accepts, st.attempts)
+    assert (st.attempts.sum(0) > 0).all()
+    k = np.arange(st.accept_hist.shape[1])
+    np.testing.assert_array_equal(st.accept_hist.sum(1), st.verify_calls)
+    np.testing.assert_array_equal(1 + (st.accept_hist * (k + 1)).sum(1), lengths)
+
+
+# ----------------------------------------------------------------------------- losslessness
+
+CHI_K = 5  # the token budget: every sampled token is counted
+CHI_EOS = 1  # P(ended) after 1, 2, 3 tokens: 0.12, 0.39, ~0.55 -> the batch compacts
+
+
+def _exact_truncated(pol, scfg, prompt):
+    """P of each first-`CHI_K`-token outcome as the sampler writes it (pad, 0, after EOS), from
+    full forwards of every prefix."""
+    v, k = V_SMALL, CHI_K
+    seqs = np.array([prompt + list(c) for c in itertools.product(range(v), repeat=k - 1)])
+    pos = jnp.broadcast_to(jnp.arange(seqs.shape[1]), seqs.shape)
+    lp = np.asarray(sampling.process_logits(model.forward(*pol, jnp.asarray(seqs), pos)[0], scfg))
+    p_SxKxV = np.exp(lp[:, len(prompt) - 1 :])  # [V^(k-1), k, V]: p(x_j | prompt, x_<j)
+    joint = p_SxKxV[:, k - 1].reshape((v,) * k)
+    for j in range(k - 1):  # p(x_j+1 | x_<=j) does not depend on x_>j: take x_>j = 0
+        p_j = p_SxKxV[:, j].reshape((v,) * (k - 1) + (v,))[(slice(None),) * j + (0,) * (k - 1 - j)]
+        joint = joint * p_j.reshape(p_j.shape + (1,) * (k - 1 - j))
+    idx_CxK = np.array(list(itertools.product(range(v), repeat=k)))
+    eos = idx_CxK == CHI_EOS
+    after = (np.cumsum(eos, axis=1) - eos) > 0
+    cells = np.where(after, 0, idx_CxK) @ v ** np.arange(k)[::-1]
+    out = np.zeros(v**k)
+    np.add.at(out, cells, joint.ravel())
+    return out
+
+
+@pytest.mark.parametrize("rule", ["rejection", "target_only", "broken"])
+def test_lossless_with_compaction_and_a_draft_table(rule, monkeypatch):
+    """Chi-square of 1e5 samples (all tokens: rows end at 1 .. 5 tokens; the loop starts at
+    25000 rows with γ = 0 and goes on at 12500 with γ = 2) against exact probabilities of the
+    8^5 outcomes: p > 0.01; the broken verifier must fail (p < 1e-6)."""
+    pol = model.init(SMALL, 0)
+    mtp = mtp_lib.init(dataclasses.replace(SMALL, init_std=0.8), 1, 5)
+    monkeypatch.setitem(speculative.DRAFT_RULES, "broken", _broken_rule)
+    scfg = sampling.SamplingConfig(temperature=1.0, max_new_tokens=CHI_K, eos_ids=(CHI_EOS,))
+    prompt, rows = [1, 3, 5], 25_000
+    spec, table = SpecConfig(2, rule), ((rows, 0), (rows // 2, 2))
+    toks, lens = sampling.pad_prompts([prompt] * rows)
+    seqs = []
+    for seed in range(4):
+        out = speculative.sample_compacted(
+            *(*pol, *mtp, toks, lens, jax.random.key(seed), scfg, spec),
+            min_bucket=rows // 2,
+            draft_table=table,
+        )
+        seqs.append(np.asarray(out.sample.tokens))
+        if seed == 0:  # the γ = 2 bucket drafted (every draft comes from it)
+            assert np.asarray(out.stats.attempts).sum() > 5000
+    cells = np.concatenate(seqs) @ V_SMALL ** np.arange(CHI_K)[::-1]
+    counts = np.bincount(cells, minlength=V_SMALL**CHI_K)
+    pvalue, dof = _chi2_pvalue(counts, _exact_truncated(pol, scfg, prompt))
+    assert dof > 50
+    if rule == "broken":
+        assert pvalue < 1e-6
+    else:
+        assert pvalue > 0.01, (rule, pvalue)
+
+
+# ----------------------------------------------------------------------------- draft length
+
+
+def test_choose_num_draft_on_known_costs():
+    # α = 0.8; a verify over W tokens costs 1 + 0.1 (W - 1) steps, a draft 0.1 step: tokens per
+    # step-time 1 (γ=0), 1.8/1.2 = 1.5, 2.44/1.4 = 1.743, 2.952/1.6 = 1.845, 3.3616/1.8 = 1.868.
+    t_verify = {w: 1 + 0.1 * (w - 1) for w in range(2, 6)}
+    assert compaction.choose_num_draft(0.8, 1.0, t_verify, 0.1, 4) == 4
+    assert compaction.choose_num_draft(0.8, 1.0, t_verify, 0.1, 2) == 2
+    # α = 0.5 with the same costs: 1, 1.25, 1.25, 1.172 -> γ = 1 (a tie goes to the smaller γ)
+    assert compaction.choose_num_draft(0.5, 1.0, t_verify, 0.1, 4) == 1
+    # a verify as dear as W steps (a large batch on a CPU): plain decoding wins at any α < 1
+    linear = {w: float(w) for w in range(2, 6)}
+    assert compaction.choose_num_draft(0.95, 1.0, linear, 0.05, 4) == 0
+    assert compaction.expected_tokens(1.0, 3) == 4.0
+    assert compaction.expected_tokens(0.5, 2) == pytest.approx(1.75)
+    costs = {
+        64: {"step": 1.0, "draft": 0.05, **{f"verify_{w}": t for w, t in linear.items()}},
+        4: {"step": 1.0, "draft": 0.1, **{f"verify_{w}": t for w, t in t_verify.items()}},
+    }
+    assert compaction.draft_table(0.8, costs, 4) == ((4, 4), (64, 0))
+
+
+def test_draft_for_batch_and_bucket_sizes():
+    table = ((64, 0), (16, 2))
+    assert [compaction.draft_for_batch(table, b, 3) for b in (128, 64, 32, 16, 8)] == [
+        0,
+        0,
+        2,
+        2,
+        3,
+    ]
+    assert compaction.bucket_sizes(64, 8) == [64, 32, 16, 8]
+    assert compaction.bucket_sizes(12, 4) == [12, 6]
+    idx = compaction.live_first(np.array([False, True, False, True, False]), 3)
+    assert list(idx) == [1, 3, 0]
+    with pytest.raises(ValueError, match="do not fit"):
+        compaction.live_first(np.ones(4, bool), 2)
+
+
+@pytest.mark.parametrize(
+    "override,key",
+    [
+        ("rollout.draft_table=((64,),)", "rollout.draft_table"),
+        ("rollout.draft_table=((64, -1),)", "rollout.draft_table"),
+        ("rollout.draft_table=((8, 1), (8, 2))", "rollout.draft_table"),
+        ("rollout.min_bucket=0", "rollout.min_bucket"),
+        ("rollout.compact=3", "rollout.compact"),
+    ],
+)
+def test_bad_rollout_compaction_keys_fail_naming_the_key(override, key):
+    with pytest.raises(config.ConfigError, match=key.replace(".", r"\.")):
+        config.load(str(REPO / "configs/demo.py"), [override])
