@@ -215,10 +215,10 @@ def run(
             if (save_due or preempted(step + 1)) and not skipped:
                 state, meta = checkpoint_state(pol_state, mtp_state, store, step + 1, rl)
                 meta["versions"] = versions
-                meta["run"] = {
-                    "history": history,
-                    "evals": evals,
-                    "timings": timer.totals,
+                meta["run"] = {  # copies: an async save may serialise after the next step
+                    "history": list(history),
+                    "evals": list(evals),
+                    "timings": dict(timer.totals),
                     "rl_wall_s": wall_before + time.perf_counter() - t_start,
                 }
                 ckpt.save(step + 1, state, meta, force=preempted(step + 1))
