@@ -71,11 +71,16 @@ _DISTRIBUTED = False
 
 
 def maybe_init_distributed(dcfg) -> None:
+    """One process of a multi-process job: an explicit coordinator (`distributed.*` keys; on one
+    machine `python -m bebop.local_cluster` sets them) or the cluster's own discovery. CPU
+    devices talk over gloo (a no-op for GPU/TPU collectives)."""
     import jax
 
     global _DISTRIBUTED
     _DISTRIBUTED = bool(dcfg.coordinator_address or dcfg.num_processes > 1 or dcfg.auto)
     _DISTRIBUTED = _DISTRIBUTED or bool(os.environ.get("JAX_COORDINATOR_ADDRESS"))
+    if _DISTRIBUTED and "JAX_CPU_COLLECTIVES_IMPLEMENTATION" not in os.environ:
+        jax.config.update("jax_cpu_collectives_implementation", "gloo")
     if dcfg.coordinator_address or dcfg.num_processes > 1:
         jax.distributed.initialize(
             coordinator_address=dcfg.coordinator_address or None,
@@ -230,7 +235,10 @@ def exit_now(code: int) -> None:
     """Exits without the interpreter's shutdown, where orbax's background threads print "cannot
     schedule new futures" / "Event loop is closed" after our error: the stages have closed (waited
     for) every checkpoint manager, so the error printed last stays the last line."""
-    if _DISTRIBUTED:
+    if _DISTRIBUTED and code == 0:
+        # A failed process skips the shutdown barrier, which would wait for peers that may be
+        # gone or stuck (up to its 300 s timeout): its exit closes its connections, and a peer
+        # waiting on it in a collective fails instead of hanging.
         import jax
 
         jax.distributed.shutdown()

@@ -13,6 +13,12 @@ removes leftover `*.orbax-checkpoint-tmp-*` folders of its own interrupted saves
 Reading only some of a checkpoint (`restore_partial`, `restore_params`: the trained parameters
 without the optimizer state) needs only the shapes of what is read: no optimizer is built.
 
+Several processes: every process opens the same manager and calls `save` / `restore_latest`
+with the same steps (orbax writes each process's shards; process 0 the metadata and renames).
+Orbax's barriers then use the JAX distributed client's key-value store instead of a device
+collective: an async save's background thread must not launch a program on the devices, whose
+order against the RL loop's programs no process could agree on.
+
 Every step saved holds a state the training guards trusted (`bebop/fit.py` never saves a skipped
 or diverged step), so the newest step is always the last good one and `keep` only removes older
 good ones.
@@ -41,6 +47,8 @@ class Checkpointer:
     ):
         self.directory = Path(directory).absolute()
         self.read_only = read_only
+        if jax.process_count() > 1:
+            _barriers_off_device()
         if read_only:
             if not self.directory.is_dir():
                 raise FileNotFoundError(f"{self.directory}: no checkpoint directory")
@@ -110,8 +118,9 @@ class Checkpointer:
         if self.read_only:
             return
         src = self.directory / str(step)
-        if src.exists():
+        if jax.process_index() == 0 and src.exists():
             src.rename(self.directory / f"corrupt-{step}")
+        sharding.sync(f"bebop.ckpt: quarantined {self.directory}/{step}")
         self.manager.reload()
 
     def wait(self) -> None:
@@ -120,6 +129,16 @@ class Checkpointer:
     def close(self) -> None:
         self.manager.wait_until_finished()
         self.manager.close()
+
+
+def _barriers_off_device() -> None:
+    """Orbax's multi-process barriers through the distributed client (its absl flag; nothing
+    else in bebop reads absl flags, so marking them parsed changes nothing else)."""
+    from absl import flags
+
+    if not flags.FLAGS.is_parsed():
+        flags.FLAGS.mark_as_parsed()
+    flags.FLAGS.experimental_orbax_use_distributed_barrier = True
 
 
 def restore_partial(ckpt_dir: Path, target):

@@ -2,8 +2,8 @@
 
 A decode loop runs every row until the longest one ends; an RL batch whose median response is
 half its longest wastes about half its compute on finished rows. `run` is the host-level driver
-both samplers share (`sampling.sample_compacted`, `speculative.sample_compacted`): it runs the
-sampler's jitted while-loop at batch b until at most b/2 rows are live (the bound is a traced
+both samplers share (`sampling.sample_compacted`, `spec_compacted.sample_compacted`): it runs
+the sampler's jitted while-loop at batch b until at most b/2 rows are live (the bound is a traced
 argument: one compilation per bucket size b, b/2, b/4, ... down to `min_bucket`), gathers the
 live rows, padded to exactly b/2 with distinct finished ones, out of every batch-leading leaf of
 the loop state (the state's scalar counter is shared), and goes on. Below `min_bucket` the last
@@ -94,26 +94,44 @@ def draft_for_batch(table: Sequence[tuple[int, int]], batch: int, default: int) 
     return max(fits)[1] if fits else default
 
 
-def expected_tokens(alpha: float, num_draft: int) -> float:
-    """Tokens per verify when each draft is accepted with probability `alpha` independently:
-    1 + α + ... + α^γ = (1 - α^(γ+1)) / (1 - α) (docs/method.md §2)."""
-    if alpha >= 1.0:
-        return float(num_draft + 1)
-    return (1.0 - alpha ** (num_draft + 1)) / (1.0 - alpha)
+def _rates(alpha: float | Sequence[float], num_draft: int) -> list[float]:
+    """Per-position acceptance α_1 .. α_γ: a float is the same at every position; a sequence
+    shorter than γ is extended with its last entry."""
+    if isinstance(alpha, (int, float)):
+        return [float(alpha)] * num_draft
+    alpha = [float(a) for a in alpha]
+    if num_draft and not alpha:
+        raise ValueError("per-position acceptance: an empty sequence")
+    return (alpha + alpha[-1:] * num_draft)[:num_draft]
+
+
+def expected_tokens(alpha: float | Sequence[float], num_draft: int) -> float:
+    """Tokens per verify: 1 + Σ_{j<=γ} Π_{i<=j} α_i (docs/method.md §2), where α_i is the
+    acceptance of draft i given that drafts 1 .. i-1 were accepted (`alpha`: per position, or
+    one float for all: then (1 - α^(γ+1)) / (1 - α))."""
+    total, run = 1.0, 1.0
+    for a in _rates(alpha, num_draft):
+        run *= a
+        total += run
+    return total
 
 
 def choose_num_draft(
-    alpha: float, t_step: float, t_verify: Mapping[int, float], t_draft: float, max_draft: int
+    alpha: float | Sequence[float],
+    t_step: float,
+    t_verify: Mapping[int, float],
+    t_draft: float,
+    max_draft: int,
 ) -> int:
     """The γ in 0..`max_draft` with the most expected tokens per second at one batch size: γ = 0
     is plain decoding, 1 token per `t_step`; γ >= 1 gives `expected_tokens(alpha, γ)` per cycle of
     `t_verify[γ + 1] + γ * t_draft` (one policy forward over γ+1 tokens, the MTP's catch-up and
     γ-1 chain steps). Ties go to the smaller γ.
 
-    Costs: the seconds per iteration `benchmarks/rollout.py::loop_costs` measures at that batch
-    size (`verify_{W}`, `draft`; `t_step` may be `verify_1`); `alpha`: the running acceptance,
-    e.g. `speculative.summarize(...)["accept_rate"]` of recent rollouts. The geometric model
-    ignores that acceptance falls with the draft position, so it errs towards larger γ."""
+    Costs: the seconds per iteration `spec_compacted.loop_costs` measures at that batch size
+    (`verify_{W}`, `draft`; `t_step` may be `verify_1`); `alpha`: the running acceptance per
+    draft position (`RunningAcceptance`), or one rate for all positions (the geometric model,
+    which ignores that acceptance falls with the position and so errs towards larger γ)."""
     best, best_rate = 0, 1.0 / t_step
     for g in range(1, max_draft + 1):
         rate = expected_tokens(alpha, g) / (t_verify[g + 1] + g * t_draft)
@@ -123,7 +141,7 @@ def choose_num_draft(
 
 
 def draft_table(
-    alpha: float, costs: Mapping[int, dict], max_draft: int
+    alpha: float | Sequence[float], costs: Mapping[int, dict], max_draft: int
 ) -> tuple[tuple[int, int], ...]:
     """A `rollout.draft_table` from measured costs: `costs[b]` holds `step`, `draft` and
     `verify_{W}` seconds at batch size b (W = 2 .. max_draft + 1); each b gets
@@ -133,3 +151,39 @@ def draft_table(
         verify = {w: c[f"verify_{w}"] for w in range(2, max_draft + 2)}
         table.append((b, choose_num_draft(alpha, c["step"], verify, c["draft"], max_draft)))
     return tuple(table)
+
+
+class RunningAcceptance:
+    """Per-position acceptance over the last `window` rollouts, for the default draft table.
+
+    `add(attempts_Y, accepts_Y)` takes one rollout's counts per draft position (all rows
+    pooled: `SpecStats.attempts.sum(0)`, `.accepts.sum(0)`). `rates()`: α_k = Σ accepts_k /
+    Σ attempts_k over the window, for k = 1 .. `max_draft`; a position with no attempts in the
+    window (no bucket drafted that far lately) keeps its last estimate, or else takes position
+    k-1's; None before any rollout drafted."""
+
+    def __init__(self, max_draft: int, window: int = 4):
+        if window < 1 or max_draft < 1:
+            raise ValueError(f"RunningAcceptance: window={window}, max_draft={max_draft}: >= 1")
+        self.max_draft, self.window = max_draft, window
+        self.history: list[tuple[np.ndarray, np.ndarray]] = []
+        self._last: list[float | None] = [None] * max_draft
+
+    def add(self, attempts_Y, accepts_Y) -> None:
+        def pad(x):
+            x = np.asarray(x, np.int64)[: self.max_draft]
+            return np.pad(x, (0, self.max_draft - len(x)))
+
+        self.history = (self.history + [(pad(attempts_Y), pad(accepts_Y))])[-self.window :]
+
+    def rates(self) -> list[float] | None:
+        if not self.history:
+            return None
+        attempts = sum(h[0] for h in self.history)
+        accepts = sum(h[1] for h in self.history)
+        for k in range(self.max_draft):
+            if attempts[k]:
+                self._last[k] = float(accepts[k] / attempts[k])
+            elif self._last[k] is None and k:
+                self._last[k] = self._last[k - 1]
+        return None if self._last[0] is None else [float(a) for a in self._last]

@@ -363,6 +363,9 @@ class RLConfig:
     eval_every: int = 0  # also every this many RL steps (0 = off)
     draft_log_rows: int = 4  # rows per step whose drafted tokens go to rl/draft_tokens.bin
     speedup_repeats: int = 2  # timed plain-vs-speculative rollouts at the end (0 = skip)
+    # Rows per gradient-accumulation chunk of the policy update (0 = the whole batch at once):
+    # bounds the learner's [rows, S, V] logits, e.g. 32 x 200 x 49152 float32 = 1.3 GB each.
+    microbatch: int = 0
     optim: OptimConfig = OptimConfig(lr=2e-5, warmup_steps=0, schedule="constant", grad_clip=1.0)
     mtp_optim: OptimConfig = OptimConfig(lr=3e-4, warmup_steps=10, schedule="cosine")
 
@@ -382,6 +385,12 @@ class RLConfig:
             "error | zero",
         )
         _require(self.eval_every >= 0, p + "eval_every", "must be >= 0 (0 = off)")
+        rows = self.prompts_per_step * self.group_size
+        _require(
+            self.microbatch >= 0 and (self.microbatch == 0 or rows % self.microbatch == 0),
+            p + "microbatch",
+            f"must be 0 (off) or divide the batch's prompts_per_step x group_size = {rows} rows",
+        )
         _require(self.draft_log_rows >= 0, p + "draft_log_rows", "must be >= 0 (0 = off)")
         strategies = ("frozen", "online", "joint", "growmtp")
         _require(self.mtp_strategy in strategies, p + "mtp_strategy", f"one of {strategies}")

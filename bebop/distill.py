@@ -10,6 +10,9 @@ Prompts (`distill.prompts`): the run's own task -- what RL will sample -- with a
 task's templates. Sampler: the plain one, or the speculative one with an existing MTP
 (`distill.draft_from`): its output distribution is exactly the policy's, it just needs fewer
 policy passes.
+
+Several processes: every process runs the sampler on every prompt (replicated host inputs, the
+same keys: the same samples), gathers its output and process 0 alone writes the arrays.
 """
 
 from __future__ import annotations
@@ -20,7 +23,7 @@ from pathlib import Path
 import jax
 import numpy as np
 
-from bebop import io, model, policies, prompts, rollout, sampling, speculative
+from bebop import io, model, policies, prompts, rollout, sampling, sharding, speculative
 from bebop.config import RunConfig
 from bebop.metrics import Progress
 
@@ -44,7 +47,7 @@ def sample_responses(pol, ids, scfg, rng, batch_size: int, draft=None, progress=
             out = speculative.sample_jit(
                 *pol, mtp_gd, mtp_params, toks, lens, key, scfg, spec, vocab, layers
             ).sample
-        out = jax.device_get(out)
+        out = sharding.to_host(out)  # gathered: the output may span other processes
         for r, prompt in enumerate(batch):
             n, row = int(out.lengths[r]), start + r
             tokens[row, : len(prompt)] = prompt
@@ -82,7 +85,8 @@ def run(cfg: RunConfig, workdir: Path, mesh) -> dict:
     finally:
         bar.close()
     for name, arr in (("tokens", tokens), ("mask", mask)):  # atomic: a crash leaves no partial file
-        io.save_array_atomic(ddir / f"{name}.npy", arr)
+        if sharding.is_primary():  # every process sampled the same rows
+            io.save_array_atomic(ddir / f"{name}.npy", arr)
     summary = {
         "stage": "distill",
         "samples": len(ids),
@@ -93,5 +97,6 @@ def run(cfg: RunConfig, workdir: Path, mesh) -> dict:
         "response_tokens": int(mask.sum()),
         "sample_time_s": time.perf_counter() - t0,
     }
-    io.write_json_atomic(ddir / "summary.json", summary)
+    if sharding.is_primary():
+        io.write_json_atomic(ddir / "summary.json", summary)
     return summary

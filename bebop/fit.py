@@ -128,7 +128,8 @@ def fit(
         saved, state, meta = restored
         it.set_state(meta["data"])
         guard.load_state_dict(meta.get("guard"))
-        writer.truncate_after(saved)
+    # A fresh start also drops the records of an earlier launch killed before its first save.
+    writer.truncate_after(saved or 0)
     start = int(state.step)
     profiler = _Profiler(stage_dir / "profile", start + 1, cfg.profile_steps)
 

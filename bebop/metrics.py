@@ -1,5 +1,7 @@
 """Run records: `metrics.jsonl` (one JSON object per logged step, process 0 only), optional
-TensorBoard, a progress bar with steps/s, tokens/s and ETA, and a small wall-clock timer."""
+TensorBoard, a progress bar with steps/s, tokens/s and ETA (process 0 only), and a small
+wall-clock timer. Every process calls `write` (it returns the record everywhere); only process
+0 writes."""
 
 from __future__ import annotations
 
@@ -20,7 +22,9 @@ log = logging.getLogger(__name__)
 
 
 def _plain(v):
-    v = np.asarray(jax.device_get(v))
+    from bebop.sharding import to_host  # a value sharded over other processes is gathered
+
+    v = np.asarray(to_host(v))
     if v.ndim == 0:
         x = v.item()
         return x if not isinstance(x, float) or math.isfinite(x) else str(x)

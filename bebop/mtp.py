@@ -22,6 +22,7 @@ after verification and rewritten from backbone hiddens by the next catch-up.
 
 from __future__ import annotations
 
+import functools
 from pathlib import Path
 
 import jax
@@ -66,7 +67,15 @@ class MTP(nnx.Module):
 
 
 def init(cfg: ModelConfig, num_layers: int, seed: int):
-    return nnx.split(MTP(cfg, num_layers, nnx.Rngs(params=seed)))
+    """(graphdef, params) of a randomly initialised MTP: the same draws as building `MTP` eagerly,
+    in one compiled program (eagerly, each parameter shape compiles its own RNG programs)."""
+    graphdef, _ = abstract(cfg, num_layers)
+    return graphdef, _init_params(cfg, num_layers, jax.random.key(seed))
+
+
+@functools.partial(jax.jit, static_argnums=(0, 1))
+def _init_params(cfg: ModelConfig, num_layers: int, key):
+    return nnx.split(MTP(cfg, num_layers, nnx.Rngs(params=key)))[1]
 
 
 def abstract(cfg: ModelConfig, num_layers: int):

@@ -53,6 +53,7 @@ def evaluate(pol, mtp, tok, cfg: RunConfig, prompt_ids, num_draft: int, vocab=No
             speculative.SpecConfig(num_draft, rule),
             vocab,
         )
+        out = sharding.to_host(out)  # gathered: the output may span other processes
         res.update({f"{rule}/{k}": v for k, v in speculative.summarize(out).items()})
     return res
 
@@ -75,7 +76,7 @@ def policy_hiddens(pol_gd, pol_params, tokens_NxS, batch_size: int, temperature:
     for start in range(0, n, batch_size):
         rows = np.asarray(tokens_NxS[start : start + batch_size])
         pad = batch_size - rows.shape[0]  # keep one compiled shape
-        h, lse = jax.device_get(fn(pol_params, np.pad(rows, ((0, pad), (0, 0)))))
+        h, lse = sharding.to_host(fn(pol_params, np.pad(rows, ((0, pad), (0, 0)))))
         if hiddens is None:
             hiddens = np.empty((n,) + h.shape[1:], np.float32)
             lses = np.empty((n,) + lse.shape[1:], np.float32)
@@ -87,7 +88,7 @@ def policy_hiddens(pol_gd, pol_params, tokens_NxS, batch_size: int, temperature:
 def _fingerprint(tokens_NxS, pol_params, temperature: float) -> str:
     """What the cached target depends on: the distill tokens, the policy's weights, T."""
     h = hashlib.sha256(np.ascontiguousarray(tokens_NxS).tobytes())
-    for leaf in jax.tree.leaves(jax.device_get(pol_params)):
+    for leaf in jax.tree.leaves(sharding.to_host(pol_params)):
         h.update(np.ascontiguousarray(leaf).tobytes())
     h.update(repr(float(temperature)).encode())
     return h.hexdigest()
@@ -116,10 +117,11 @@ def cached_target(distill_dir: Path, pol_gd, pol_params, tokens_NxS, batch_size,
             tokens_NxS.shape,
         )
     hid, lse = policy_hiddens(pol_gd, pol_params, tokens_NxS, batch_size, temperature)
-    cdir.mkdir(parents=True, exist_ok=True)
-    io.save_array_atomic(cdir / "hidden.npy", hid)
-    io.save_array_atomic(cdir / "target_lse.npy", lse)
-    io.write_json_atomic(meta, {"fingerprint": key, "temperature": temperature})
+    if sharding.is_primary():  # the others computed the same arrays
+        cdir.mkdir(parents=True, exist_ok=True)
+        io.save_array_atomic(cdir / "hidden.npy", hid)
+        io.save_array_atomic(cdir / "target_lse.npy", lse)
+        io.write_json_atomic(meta, {"fingerprint": key, "temperature": temperature})
     return {"hidden": hid, "target_lse": lse}
 
 
@@ -159,7 +161,8 @@ def run(cfg: RunConfig, workdir: Path, mesh, stop_at_step: int | None = None) ->
             source.tokens, source.mask, m.draft_vocab, tok.eos_ids, pol_cfg.vocab_size
         )
         sdir.mkdir(parents=True, exist_ok=True)
-        io.save_array_atomic(sdir / "draft_vocab.npy", vocab)
+        if sharding.is_primary():  # every process selected the same vocabulary
+            io.save_array_atomic(sdir / "draft_vocab.npy", vocab)
     temp = cfg.rollout.temperature
     steps = {
         name: make_train_step(
@@ -230,5 +233,6 @@ def run(cfg: RunConfig, workdir: Path, mesh, stop_at_step: int | None = None) ->
         "before": before,
         "after": after,
     }
-    io.write_json_atomic(sdir / "summary.json", summary)
+    if sharding.is_primary():
+        io.write_json_atomic(sdir / "summary.json", summary)
     return summary

@@ -10,6 +10,8 @@
   and the ones after it aside (`<stage>.replaced-<time>`, nothing deleted) and runs them again.
 - `WorkdirLock`: process 0 holds `DIR/.lock` while it runs; a second run on the same workdir fails
   naming the holder; a lock whose process is gone (same host) is taken over.
+- Several processes: process 0 alone writes records, decides which stages are done (the others
+  follow its answer), and every process waits for the others after each stage.
 """
 
 from __future__ import annotations
@@ -111,7 +113,7 @@ def check_finished_stages(cfg: RunConfig, workdir: Path, rerun_from: str | None 
         if name == rerun_from:
             return
         sdir = Path(workdir) / name
-        if not is_done(sdir):
+        if not is_done(sdir, primary=_primary()):
             continue
         old = finished_config(sdir, Path(workdir))
         if old is None:
@@ -284,7 +286,7 @@ def run(cfg: RunConfig, workdir: Path, mesh, argv=(), rerun_from: str | None = N
     changed config on a finished stage before anything runs."""
     import jax
 
-    from bebop import distill, mtp_train, sft
+    from bebop import distill, mtp_train, sft, sharding
     from bebop.rl import stage as rl_stage
 
     stages = {"sft": sft.run, "distill": distill.run, "mtp": mtp_train.run, "rl": rl_stage.run}
@@ -292,14 +294,11 @@ def run(cfg: RunConfig, workdir: Path, mesh, argv=(), rerun_from: str | None = N
     check_finished_stages(cfg, workdir, rerun_from)
     if rerun_from is not None and primary:
         set_aside_from(workdir, rerun_from)
-    if jax.process_count() > 1:
-        from jax.experimental import multihost_utils
-
-        multihost_utils.sync_global_devices("bebop.pipeline: stages checked")
+    sharding.sync("bebop.pipeline: stages checked")
     summaries = {}
     for name in cfg.stages:
         sdir = workdir / name
-        if is_done(sdir, primary):
+        if _agreed(is_done(sdir, primary) if primary else False):
             log.info("stage %s already done (%s); skipping", name, sdir / "summary.json")
             summaries[name] = read_json(sdir / "summary.json")
             continue
@@ -312,4 +311,24 @@ def run(cfg: RunConfig, workdir: Path, mesh, argv=(), rerun_from: str | None = N
             raise
         if record is not None:
             record.finish("done")
+        sharding.sync(f"bebop.pipeline: {name} done")  # its files are written: the next reads
     return summaries
+
+
+def _primary() -> bool:
+    import jax
+
+    return jax.process_index() == 0
+
+
+def _agreed(flag: bool) -> bool:
+    """Process 0's answer, in every process: all processes run the same stages even if one
+    of them sees the file system differently (a summary being written, a damaged one)."""
+    import jax
+
+    if jax.process_count() == 1:
+        return flag
+    import numpy as np
+    from jax.experimental import multihost_utils
+
+    return bool(multihost_utils.broadcast_one_to_all(np.int32(flag)))

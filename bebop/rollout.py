@@ -15,10 +15,22 @@ import time
 import jax
 import numpy as np
 
-from bebop import compaction, prompts, sampling, speculative, tasks
-from bebop.config import RLConfig, RunConfig
+from bebop import (
+    compaction,
+    model,
+    prompts,
+    sampling,
+    sharding,
+    spec_compacted,
+    speculative,
+    tasks,
+)
+from bebop.config import ConfigError, RLConfig, RunConfig
 from bebop.metrics import Timer
 from bebop.rl import grpo, loop, records, rewards
+
+# Rollouts whose per-position acceptance the default draft table averages (`Rollouts`).
+DRAFT_WINDOW = 4
 
 
 def sampling_config(cfg: RunConfig, tok, max_new_tokens: int | None = None):
@@ -62,8 +74,13 @@ def greedy_accuracy(
         eos_ids=tuple(tok.eos_ids),
         pad_id=tok.pad_id,
     )
-    outs = sampling.generate(*pol, ids, jax.random.key(0), scfg)
-    texts = [tok.decode(o) for o in outs]
+    toks, lens = sampling.pad_prompts(ids, scfg.pad_id)
+    # gathered from every process: the sampler's output may be sharded over the whole mesh
+    out = sharding.to_host(sampling.sample_jit(*pol, toks, lens, jax.random.key(0), scfg))
+    texts = []
+    for row, n in zip(out.tokens, out.lengths, strict=True):
+        row = [int(t) for t in row[:n]]
+        texts.append(tok.decode(row[:-1] if row and row[-1] in scfg.eos_ids else row))
     return float(np.mean(score(task.reward, texts, probs)))
 
 
@@ -72,10 +89,31 @@ class Rollouts:
     advantages and the learner's arrays (`loop.LearnerBatch`). `record`: also each verify
     cycle's length (`cycle_len`, by anchor position); `keep_hidden`: and the backbone hiddens
     verification computed (`hidden`, for GrowMTP). Called by the rollout worker as
-    `rollouts(i, policy_version, pol_params, mtp_params, mtp_version)`."""
+    `rollouts(i, policy_version, pol_params, mtp_params, mtp_version)`.
+
+    The default draft table (speculative mode, `rollout.compact` on, `rollout.draft_table`
+    empty): the first rollout drafts `rollout.num_draft` at every bucket size; after each
+    rollout, each bucket size b gets the γ in 0 .. `num_draft` with the most expected tokens per
+    second (`compaction.draft_table`): E_γ = 1 + Σ_{j<=γ} Π_{i<=j} α_i tokens per cycle of
+    t_verify(b, γ+1) + γ t_draft(b) seconds, against 1 token per t_verify(b, 1) for γ = 0. α_i
+    is the acceptance of draft position i over the last `DRAFT_WINDOW` rollouts (accepted /
+    attempted, all rows pooled: `compaction.RunningAcceptance`); the costs are `draft_costs`
+    (`spec_compacted.bucket_costs`' layout), or measured once, after the first rollout, at its
+    prompt width plus half the token budget. The stats carry `draft_table` when it changes.
+    Not part of a checkpoint: a resumed run starts again from `num_draft` and re-measures (its
+    samples can differ from the uninterrupted run's; each is lossless)."""
 
     def __init__(
-        self, cfg: RunConfig, pol_gd, mtp_gd, tok, task, record=False, vocab=None, keep_hidden=False
+        self,
+        cfg: RunConfig,
+        pol_gd,
+        mtp_gd,
+        tok,
+        task,
+        record=False,
+        vocab=None,
+        keep_hidden=False,
+        draft_costs=None,
     ):
         self.cfg, self.pol_gd, self.mtp_gd, self.tok, self.task = cfg, pol_gd, mtp_gd, tok, task
         self.vocab = vocab  # the MTP's draft vocabulary (None: full)
@@ -86,6 +124,16 @@ class Rollouts:
         self.spec = None
         if r.mode != "plain":
             self.spec = speculative.SpecConfig(r.num_draft, r.mode, record=record)
+        # The draft table: `rollout.draft_table`, or derived (see the class docstring).
+        self.table, self.acceptance, self.draft_costs = r.draft_table, None, draft_costs
+        if self.spec is not None and r.compact and not r.draft_table:
+            if jax.process_count() > 1 and draft_costs is None:
+                # each process would time its own costs and could pick another table (program)
+                raise ConfigError(
+                    "config key 'rollout.draft_table': with rollout.compact on several "
+                    "processes, give the table explicitly (the derived one is timed per process)"
+                )
+            self.acceptance = compaction.RunningAcceptance(r.num_draft, DRAFT_WINDOW)
 
     def prompts(self, i: int):
         p, g = self.cfg.rl.prompts_per_step, self.cfg.rl.group_size
@@ -98,7 +146,7 @@ class Rollouts:
     def sample(self, pol_params, mtp_params, toks, lens, key, spec):
         """`spec=None`: the plain sampler. Returns (SampleOutput, SpecOutput or None). With
         `rollout.compact` the samplers' tail-aware drivers (`bebop/compaction.py`; the same
-        samples), with `rollout.draft_table` giving γ per live-batch size."""
+        samples), with the draft table (`self.table`) giving γ per live-batch size."""
         r = self.cfg.rollout
         pol = (self.pol_gd, pol_params)
         if spec is None:
@@ -110,14 +158,40 @@ class Rollouts:
             return sampling.sample_jit(*pol, toks, lens, key, self.scfg), None
         args = (*pol, self.mtp_gd, mtp_params, toks, lens, key, self.scfg)
         if r.compact:
-            out = speculative.sample_compacted(
-                *args, spec, self.vocab, min_bucket=r.min_bucket, draft_table=r.draft_table
+            out = spec_compacted.sample_compacted(
+                *args, spec, self.vocab, min_bucket=r.min_bucket, draft_table=self.table
             )
         else:  # one batch: the table's γ for its size
-            num_draft = compaction.draft_for_batch(r.draft_table, len(toks), spec.num_draft)
+            num_draft = compaction.draft_for_batch(self.table, len(toks), spec.num_draft)
             spec = dataclasses.replace(spec, num_draft=num_draft)
             out = speculative.sample_jit(*args, spec, self.vocab)
         return out.sample, out
+
+    def measure_costs(self, pol_params, mtp_params, shape) -> dict:
+        """Verify and draft costs at each bucket size of a `shape` = (rows, prompt width) batch."""
+        r = self.cfg.rollout
+        pol = (self.pol_gd, pol_params)
+        sizes = compaction.bucket_sizes(shape[0], r.min_bucket)
+        context = shape[1] + self.scfg.max_new_tokens // 2
+        layers = model.decode_layers_jit(*pol)
+        mtp = (self.mtp_gd, mtp_params)
+        return spec_compacted.bucket_costs(
+            pol, layers, mtp, self.vocab, sizes, context, r.num_draft
+        )
+
+    def update_draft_table(self, attempts_Y, accepts_Y) -> dict:
+        """Adds one rollout's attempts and acceptances per draft position and derives the table
+        from the costs (`draft_costs`); returns `{"draft_table": [[b, γ], ...]}` if it changed,
+        else {}."""
+        self.acceptance.add(attempts_Y, accepts_Y)
+        rates = self.acceptance.rates()
+        if rates is None:
+            return {}
+        table = compaction.draft_table(rates, self.draft_costs, self.cfg.rollout.num_draft)
+        if table == self.table:
+            return {}
+        self.table = table
+        return {"draft_table": [list(e) for e in table]}
 
     def __call__(self, i, version, pol_params, mtp_params, mtp_version) -> loop.RolloutBatch:
         cfg, timer = self.cfg, Timer()
@@ -125,7 +199,7 @@ class Rollouts:
         toks, lens = sampling.pad_prompts(ids, self.tok.pad_id)
         with timer("rollout_s"):
             key = jax.random.fold_in(jax.random.key(cfg.seed + 5), i)
-            sample, spec_out = jax.device_get(
+            sample, spec_out = sharding.to_host(
                 self.sample(pol_params, mtp_params, toks, lens, key, self.spec)
             )
         with timer("reward_s"):
@@ -148,6 +222,12 @@ class Rollouts:
             behaviour[row, s : s + n] = sample.logprobs[row, :n]
         data = loop.LearnerBatch(tokens, mask, behaviour, adv)
         stats = records.rollout_stats(r, cfg.rl.group_size, sample, spec_out)
+        if self.acceptance is not None and spec_out is not None:
+            if self.draft_costs is None:
+                with timer("draft_costs_s"):
+                    self.draft_costs = self.measure_costs(pol_params, mtp_params, toks.shape)
+            st = spec_out.stats
+            stats.update(self.update_draft_table(st.attempts.sum(0), st.accepts.sum(0)))
         drafts = None
         if spec_out is not None:
             if cfg.rl.draft_log_rows:
@@ -166,7 +246,7 @@ def _timed_rollout(rollouts: Rollouts, pol, mtp, toks, lens, spec, repeats: int)
         t0 = time.perf_counter()
         out, spec_out = rollouts.sample(pol, mtp, toks, lens, jax.random.key(100 + rep), spec)
         assert (spec_out is None) == (spec is None), "timed the wrong sampler"
-        lengths = np.asarray(jax.device_get(out.lengths))
+        lengths = np.asarray(sharding.to_host(out.lengths))
         if rep:
             best, tokens = min(best, time.perf_counter() - t0), int(lengths.sum())
     return tokens / best, best

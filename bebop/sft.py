@@ -83,5 +83,6 @@ def run(cfg: RunConfig, workdir: Path, mesh, stop_at_step: int | None = None) ->
         "train_time_s": res.train_time_s,
         **evaluate(graphdef, state.params, cfg, tok),
     }
-    io.write_json_atomic(sdir / "summary.json", summary)
+    if sharding.is_primary():
+        io.write_json_atomic(sdir / "summary.json", summary)
     return summary

@@ -130,10 +130,51 @@ def batch_sharding(mesh: Mesh, ndim: int, batch_size: int) -> NamedSharding:
 
 
 def shard_batch(batch, mesh: Mesh):
-    """Places a pytree of host arrays whose leading axis is the batch onto the mesh."""
-    return jax.tree.map(
-        lambda x: jax.device_put(x, batch_sharding(mesh, np.ndim(x), np.shape(x)[0])), batch
-    )
+    """Places a pytree of host arrays whose leading axis is the batch onto the mesh.
+
+    Every process holds the same global host batch (the stages' data are deterministic in the
+    seed: generated examples, the distill arrays, rollouts sampled from replicated inputs), and
+    each process copies only the rows of its own devices (`make_array_from_callback`); with one
+    process this is a plain `device_put`."""
+
+    def one(x):
+        x = np.asarray(x)
+        sharding = batch_sharding(mesh, x.ndim, x.shape[0])
+        if jax.process_count() == 1:
+            return jax.device_put(x, sharding)
+        return jax.make_array_from_callback(x.shape, sharding, lambda idx: x[idx])
+
+    return jax.tree.map(one, batch)
+
+
+def to_host(tree):
+    """Host numpy copies of a pytree's arrays. A `jax.Array` that spans other processes'
+    devices and is not replicated (e.g. a sampler output whose batch is sharded over the
+    mesh) is gathered from every process (`process_allgather`, a collective: every process
+    must call this in the same order); anything else is a plain `device_get`."""
+
+    def one(x):
+        if isinstance(x, jax.Array) and not x.is_fully_addressable and not x.is_fully_replicated:
+            from jax.experimental import multihost_utils
+
+            return np.asarray(multihost_utils.process_allgather(x, tiled=True))
+        return jax.device_get(x)
+
+    return jax.tree.map(one, tree)
+
+
+def is_primary() -> bool:
+    """Process 0: the one that writes summaries, metrics, config and locks."""
+    return jax.process_index() == 0
+
+
+def sync(name: str) -> None:
+    """Every process waits here until all arrive (no-op with one process): after process 0
+    wrote files the others read next."""
+    if jax.process_count() > 1:
+        from jax.experimental import multihost_utils
+
+        multihost_utils.sync_global_devices(name)
 
 
 def replicated(mesh: Mesh) -> NamedSharding:

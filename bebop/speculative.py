@@ -16,7 +16,7 @@ phases, in this order (the functions of the same names):
   `_emit`      writes the accepted drafts and that token, cut at EOS and the token budget, with
                log-probs, entropies and acceptance statistics;
   `_roll_back` both caches keep what the row kept; the new token becomes the pending one.
-`_init` prefills both models; `_finalise` masks what lies past each row's length.
+`init_state` prefills both models; `finalise` masks what lies past each row's length.
 
 Verification rules (docs/method.md §2), both lossless, chosen by name from `DRAFT_RULES`; they
 differ only in how a draft token is taken from q and which q the acceptance test uses:
@@ -30,8 +30,9 @@ position that needs it.
 
 Randomness: row r's draws come from its own key fold_in(rng, r) (folded with 0 for the first
 token, with c + 1 in cycle c), so a row's sample does not depend on the other rows of its batch.
-The key lives in the loop state with its row: `sample_compacted` drops finished rows as the batch
-thins out (`bebop/compaction.py`), optionally with another γ per batch size (γ = 0: no drafts).
+The key lives in the loop state with its row: `spec_compacted.sample_compacted` drops finished
+rows as the batch thins out, optionally with another γ per batch size (γ = 0: no drafts); it
+drives this module's `init_state`, `run_cycles` and `finalise` bucket by bucket.
 
 Statistics per row, from what was emitted (drafts cut off by EOS or the token budget do not
 count): attempts and acceptances per draft position, a histogram of tokens emitted per verify
@@ -50,7 +51,7 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx, struct
 
-from bebop import compaction, model
+from bebop import model
 from bebop import mtp as mtp_lib
 from bebop.sampling import (
     SampleOutput,
@@ -112,7 +113,7 @@ class SpecOutput:
 
 
 @struct.dataclass
-class _State:
+class State:
     cycle: jax.Array
     policy_cache: model.KVCache
     mtp_cache: model.KVCache
@@ -129,7 +130,7 @@ class _State:
 
 
 @dataclasses.dataclass(frozen=True)
-class _Models:
+class Models:
     """What every phase reads (trace-time constants and the loop-invariant arrays)."""
 
     policy: nnx.Module
@@ -224,7 +225,7 @@ def accept(keys_B, logp_BxWxV, q_BxYxVd, d_idx_BxY, drafts_BxY, scfg, vocab_Vd=N
     return n_acc_B, draw(_fold(keys_B, 1), jnp.log(resid_BxV), scfg)
 
 
-def _init(m: _Models, pol_gd, pol_params, prompt_BxP, prompt_lens_B, row_keys_B) -> _State:
+def init_state(m: Models, pol_gd, pol_params, prompt_BxP, prompt_lens_B, row_keys_B) -> State:
     """Prefills the policy (the first token comes from the last prompt position) and the MTP on
     positions 0 .. P_b-2 (hidden at t, token t+1); position P_b-1 waits in the catch-up buffer
     with the first sampled token."""
@@ -269,7 +270,7 @@ def _init(m: _Models, pol_gd, pol_params, prompt_BxP, prompt_lens_B, row_keys_B)
         hid_buf = jnp.zeros((rows, m.max_len, policy.cfg.dim), hid_BxPxD.dtype)
         hid_buf = hid_buf.at[:, :width].set(hid_BxPxD)
         cyc_buf = jnp.zeros((rows, m.max_len), jnp.int32)
-    return _State(
+    return State(
         cycle=jnp.int32(0),
         policy_cache=policy_cache,
         mtp_cache=mtp_cache,
@@ -286,7 +287,7 @@ def _init(m: _Models, pol_gd, pol_params, prompt_BxP, prompt_lens_B, row_keys_B)
     )
 
 
-def _catch_up(m: _Models, s: _State):
+def _catch_up(m: Models, s: State):
     """Every MTP layer consumes the catch-up buffer (so each keeps its cache complete); layer 0's
     output at the row's last consumed position starts the chain. Returns (hidden `[B, 1, D]`,
     draft-1 logits `[B, Vd]` -- both None at γ = 0 --, MTP cache)."""
@@ -304,7 +305,7 @@ def _catch_up(m: _Models, s: _State):
     return hid_Bx1xD, logits_BxVd, mtp_cache.advance(s.n_catch_B)
 
 
-def _draft(m: _Models, hid_Bx1xD, logits_BxVd, mtp_cache, anchor_B, keys_B):
+def _draft(m: Models, hid_Bx1xD, logits_BxVd, mtp_cache, anchor_B, keys_B):
     """Y drafts from the chain. Returns (token ids `[B, Y]`, indices into the draft vocabulary
     `[B, Y]`, the rule's q `[B, Y, Vd]`); the MTP cache is rolled back to `anchor_B` after."""
     n_mtp, y, b = m.mtp.num_layers, m.spec.num_draft, anchor_B.shape[0]
@@ -338,7 +339,7 @@ def _draft(m: _Models, hid_Bx1xD, logits_BxVd, mtp_cache, anchor_B, keys_B):
     )
 
 
-def _verify(m: _Models, s: _State, drafts_BxY):
+def _verify(m: Models, s: State, drafts_BxY):
     """One policy forward over [pending, d_1 .. d_Y] at each row's offset. Returns (logits
     `[B, W, V]`, backbone hiddens `[B, W, D]`, policy cache advanced by W)."""
     w = drafts_BxY.shape[1] + 1
@@ -348,7 +349,7 @@ def _verify(m: _Models, s: _State, drafts_BxY):
     return logits_BxWxV, hid_BxWxD, cache.advance(jnp.full((tok_BxW.shape[0],), w, jnp.int32))
 
 
-def _emit(m: _Models, s: _State, drafts_BxY, n_acc_B, next_B, logits_BxWxV, logp_BxWxV, q_BxYxVd):
+def _emit(m: Models, s: State, drafts_BxY, n_acc_B, next_B, logits_BxWxV, logp_BxWxV, q_BxYxVd):
     """Writes each row's emitted tokens (accepted drafts, then `next_B`; cut at EOS and the
     budget) with their log-probs, entropies, status and overlap. Returns (out, stats, tokens
     `[B, W]` as emitted, n_emit `[B]`, finished `[B]`)."""
@@ -387,8 +388,8 @@ def _emit(m: _Models, s: _State, drafts_BxY, n_acc_B, next_B, logits_BxWxV, logp
 
 
 def _roll_back(
-    m: _Models, s: _State, caches, n_acc_B, next_B, hid_BxWxD, emit_BxW, finished_B, outputs
-) -> _State:
+    m: Models, s: State, caches, n_acc_B, next_B, hid_BxWxD, emit_BxW, finished_B, outputs
+) -> State:
     """The policy keeps the pending token and the accepted drafts; the cycle's last token becomes
     pending; the positions the policy kept wait for the MTP's next catch-up."""
     policy_cache, mtp_cache = caches
@@ -402,7 +403,7 @@ def _roll_back(
         hid_buf = _write_rows(hid_buf, hid_BxWxD, jnp.where(live_B, anchor_B, m.max_len - w))
         cycle_anchor_B = jnp.where(live_B, anchor_B - 1, m.max_len - 1)
         cyc_buf = _write_rows(cyc_buf, (n_acc_B + 1)[:, None], cycle_anchor_B)
-    return _State(
+    return State(
         cycle=s.cycle + 1,
         policy_cache=policy_cache,
         mtp_cache=mtp_cache,
@@ -419,40 +420,12 @@ def _roll_back(
     )
 
 
-def _regamma(m: _Models, s: _State, num_draft: int) -> _State:
-    """The state of a bucket with another γ: the catch-up buffer becomes γ+1 wide. A row holding
-    more entries than that (γ went down after a long accepted run) first lets every MTP layer
-    consume the excess, as `_catch_up` would (the entries written past it are overwritten by the
-    next catch-up). Acceptance after a change can differ from the unchanged loop's; the output
-    distribution cannot (any q gives a lossless test)."""
-    w_old, w_new = s.catch_tok_BxW.shape[1], num_draft + 1
-    if w_new >= w_old:
-        pad = ((0, 0), (0, w_new - w_old))
-        return s.replace(
-            catch_hid_BxWxD=jnp.pad(s.catch_hid_BxWxD, pad + ((0, 0),)),
-            catch_tok_BxW=jnp.pad(s.catch_tok_BxW, pad),
-        )
-    mtp_cache = s.mtp_cache
-    for j in range(m.mtp.num_layers):
-        _, _, mtp_cache = mtp_lib.extend(
-            m.mtp, m.policy, j, mtp_cache, s.catch_hid_BxWxD, s.catch_tok_BxW
-        )
-    excess_B = jnp.maximum(s.n_catch_B - w_new, 0)
-    idx_BxW = jnp.minimum(jnp.arange(w_new)[None] + excess_B[:, None], w_old - 1)
-    return s.replace(
-        mtp_cache=mtp_cache.advance(excess_B),
-        catch_hid_BxWxD=jnp.take_along_axis(s.catch_hid_BxWxD, idx_BxW[..., None], axis=1),
-        catch_tok_BxW=jnp.take_along_axis(s.catch_tok_BxW, idx_BxW, axis=1),
-        n_catch_B=s.n_catch_B - excess_B,
-    )
-
-
-def _rows(s: _State) -> tuple:
-    """What `_finalise` reads: the per-row outputs (the caches and buffers stay behind)."""
+def row_outputs(s: State) -> tuple:
+    """What `finalise` reads: the per-row outputs (the caches and buffers stay behind)."""
     return s.out, s.stats, s.hid_buf, s.cyc_buf
 
 
-def _finalise(scfg: SamplingConfig, record: bool, rows: tuple, prompt_width: int) -> SpecOutput:
+def finalise(scfg: SamplingConfig, record: bool, rows: tuple, prompt_width: int) -> SpecOutput:
     o, st, hid_buf, cyc_buf = rows
     n = scfg.max_new_tokens
     mask_BxN = jnp.arange(n)[None] < o.lengths[:, None]
@@ -472,13 +445,13 @@ def _finalise(scfg: SamplingConfig, record: bool, rows: tuple, prompt_width: int
     return SpecOutput(sample_out, stats, hid_buf[:, :width], cyc_buf[:, :width])
 
 
-def _models(
+def make_models(
     pol_gd, pol_params, mtp_gd, mtp_params, draft_vocab, layers, scfg, spec, max_len, **kw
-) -> _Models:
+) -> Models:
     policy = nnx.merge(pol_gd, pol_params)
     vocab_Vd = None if draft_vocab is None else jnp.asarray(draft_vocab, jnp.int32)
     layers = model.decode_layers(pol_gd, pol_params) if layers is None else layers
-    return _Models(
+    return Models(
         policy=policy,
         layers=layers,
         mtp=nnx.merge(mtp_gd, mtp_params),
@@ -491,7 +464,7 @@ def _models(
     )
 
 
-def _cycle(m: _Models, s: _State) -> _State:
+def _cycle(m: Models, s: State) -> State:
     scfg = m.scfg
     keys_B = _fold(s.keys_B, s.cycle + 1)  # 0: the first token
     hid_Bx1xD = logits_BxVd = None
@@ -523,13 +496,13 @@ def _cycle(m: _Models, s: _State) -> _State:
     )
 
 
-def _live(s: _State, scfg: SamplingConfig) -> jax.Array:
+def live(s: State, scfg: SamplingConfig) -> jax.Array:
     return ~s.done_B & (s.cycle < scfg.max_new_tokens)
 
 
-def _run(m: _Models, s: _State, min_live) -> _State:
+def run_cycles(m: Models, s: State, min_live) -> State:
     """Cycles while more than `min_live` rows are live (0: until every row ends)."""
-    running = lambda s: jnp.sum(_live(s, m.scfg)) > min_live  # noqa: E731
+    running = lambda s: jnp.sum(live(s, m.scfg)) > min_live  # noqa: E731
     return jax.lax.while_loop(running, functools.partial(_cycle, m), s)
 
 
@@ -556,152 +529,16 @@ def sample(
     that samples repeatedly (made here otherwise: a copy of every weight per call)."""
     rows, width = prompt_BxP.shape
     max_len = width + scfg.max_new_tokens + spec.num_draft + 1
-    m = _models(
+    m = make_models(
         *(pol_gd, pol_params, mtp_gd, mtp_params, draft_vocab, layers, scfg, spec, max_len),
         sync_mtp=spec.num_draft > 0,  # γ = 0 throughout: the MTP never drafts
     )
     row_keys_B = jax.vmap(jax.random.fold_in, (None, 0))(rng, jnp.arange(rows))
-    state = _init(m, pol_gd, pol_params, prompt_BxP, prompt_lens_B, row_keys_B)
-    return _finalise(scfg, spec.record, _rows(_run(m, state, 0)), width)
+    state = init_state(m, pol_gd, pol_params, prompt_BxP, prompt_lens_B, row_keys_B)
+    return finalise(scfg, spec.record, row_outputs(run_cycles(m, state, 0)), width)
 
 
 sample_jit = jax.jit(sample, static_argnames=("pol_gd", "mtp_gd", "scfg", "spec"))
-
-# ----------------------------------------------------------------------------- compaction
-
-_STATIC = ("pol_gd", "mtp_gd", "scfg", "spec", "max_draft", "sync_mtp")
-
-
-@functools.partial(jax.jit, static_argnames=_STATIC[:5])
-def _init_jit(
-    pol_gd,
-    pol_params,
-    mtp_gd,
-    mtp_params,
-    draft_vocab,
-    layers,
-    toks,
-    lens,
-    rng,
-    scfg,
-    spec,
-    max_draft,
-):
-    rows, width = toks.shape
-    max_len = width + scfg.max_new_tokens + max_draft + 1
-    m = _models(
-        pol_gd,
-        pol_params,
-        mtp_gd,
-        mtp_params,
-        draft_vocab,
-        layers,
-        scfg,
-        spec,
-        max_len,
-        max_draft=max_draft,
-    )
-    row_keys_B = jax.vmap(jax.random.fold_in, (None, 0))(rng, jnp.arange(rows))
-    return _init(m, pol_gd, pol_params, toks, lens, row_keys_B)
-
-
-def _bucket_models(args, s: _State, scfg, spec, max_draft, sync_mtp) -> _Models:
-    max_len = s.policy_cache.k[0].shape[2]  # the caches' S, set by `_init_jit`
-    return _models(*args, scfg, spec, max_len, max_draft=max_draft, sync_mtp=sync_mtp)
-
-
-@functools.partial(jax.jit, static_argnames=_STATIC, donate_argnames=("s",))
-def _run_jit(
-    pol_gd,
-    pol_params,
-    mtp_gd,
-    mtp_params,
-    draft_vocab,
-    layers,
-    s,
-    min_live,
-    scfg,
-    spec,
-    max_draft,
-    sync_mtp,
-):
-    args = (pol_gd, pol_params, mtp_gd, mtp_params, draft_vocab, layers)
-    return _run(_bucket_models(args, s, scfg, spec, max_draft, sync_mtp), s, min_live)
-
-
-@functools.partial(jax.jit, static_argnames=(*_STATIC, "num_draft"))
-def _regamma_jit(
-    pol_gd,
-    pol_params,
-    mtp_gd,
-    mtp_params,
-    draft_vocab,
-    layers,
-    s,
-    scfg,
-    spec,
-    max_draft,
-    sync_mtp,
-    num_draft,
-):
-    args = (pol_gd, pol_params, mtp_gd, mtp_params, draft_vocab, layers)
-    return _regamma(_bucket_models(args, s, scfg, spec, max_draft, sync_mtp), s, num_draft)
-
-
-_finalise_jit = jax.jit(_finalise, static_argnums=(0, 1, 3))
-
-
-def sample_compacted(
-    pol_gd,
-    pol_params,
-    mtp_gd,
-    mtp_params,
-    prompt_BxP,
-    prompt_lens_B,
-    rng,
-    scfg: SamplingConfig,
-    spec: SpecConfig,
-    draft_vocab=None,
-    layers=None,
-    min_bucket: int = 8,
-    draft_table: tuple = (),
-) -> SpecOutput:
-    """`sample` with tail-aware compaction (`bebop/compaction.py`): each time the live rows fall
-    to half, the loop continues with half the rows, down to `min_bucket`; outputs in the original
-    row order. With an empty `draft_table` the same samples as `sample_jit` for the same keys
-    (log-probs and entropies to float rounding across batch sizes: see `compaction`).
-
-    `draft_table`: (batch size, γ) pairs; a bucket of b rows drafts the γ of the largest batch
-    size <= b (`spec.num_draft` below them all; `compaction.draft_for_batch`). γ = 0 verifies
-    the pending token alone: one policy step per token, the MTP still consuming each token while
-    a later bucket drafts again (and idle once none does). Per-position statistics are as wide as
-    the largest γ. Lossless at every γ; the samples differ from a fixed-γ loop's."""
-    batch, width = prompt_BxP.shape
-    sizes = compaction.bucket_sizes(batch, min_bucket)
-    gammas = [compaction.draft_for_batch(draft_table, b, spec.num_draft) for b in sizes]
-    plan = {  # bucket size -> (its SpecConfig, whether a later bucket drafts)
-        b: (dataclasses.replace(spec, num_draft=g), any(gammas[i + 1 :]))
-        for i, (b, g) in enumerate(zip(sizes, gammas, strict=True))
-    }
-    max_draft = max(gammas)
-    layers = model.decode_layers_jit(pol_gd, pol_params) if layers is None else layers
-    args = (pol_gd, pol_params, mtp_gd, mtp_params, draft_vocab, layers)
-    s = _init_jit(*args, prompt_BxP, prompt_lens_B, rng, scfg, plan[batch][0], max_draft)
-
-    def advance(s, min_live):
-        spec_b, later = plan[s.done_B.shape[0]]
-        return _run_jit(*args, s, jnp.int32(min_live), scfg, spec_b, max_draft, later)
-
-    def regroup(s, size):
-        spec_b, later = plan[size]
-        if spec_b.num_draft + 1 == s.catch_tok_BxW.shape[1]:
-            return s
-        return _regamma_jit(*args, s, scfg, spec_b, max_draft, later, spec_b.num_draft)
-
-    rows = compaction.run(
-        s, advance, lambda s: _live(s, scfg), _rows, min_bucket=min_bucket, regroup=regroup
-    )
-    return _finalise_jit(scfg, spec.record, rows, width)
 
 
 def draft_positions(status_BxN) -> np.ndarray:

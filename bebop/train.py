@@ -78,12 +78,84 @@ def _select(ok, new, old):
     return jax.tree.map(lambda n, o: jnp.where(ok, n, o), new, old)
 
 
+def split_rows(batch, num_chunks: int):
+    """Every array leaf of `batch` [B, ...] as [num_chunks, B / num_chunks, ...] (None leaves
+    stay None)."""
+
+    def split(x):
+        if x.shape[0] % num_chunks:
+            raise ValueError(f"batch of {x.shape[0]} rows does not split into {num_chunks} chunks")
+        return x.reshape(num_chunks, x.shape[0] // num_chunks, *x.shape[1:])
+
+    return jax.tree.map(split, batch)
+
+
+def accumulated_value_and_grad(loss_fn: Callable, num_chunks: int, chunk_weight: Callable):
+    """`jax.value_and_grad(loss_fn, has_aux=True)` over a batch split into `num_chunks` row
+    chunks, one chunk's activations alive at a time (gradient accumulation in a `lax.scan`).
+    `loss_fn` returns a mean over its chunk and `chunk_weight(chunk)` that mean's denominator (a
+    token count, a row count), so the weighted mean of the chunks' losses, gradients and aux
+    metrics is exactly the whole batch's; aux keys ending in `_max` / `_min` are combined by
+    max / min. Every chunk sees the same `rng`."""
+    grad_fn = jax.value_and_grad(loss_fn, has_aux=True)
+    if num_chunks == 1:
+        return grad_fn
+
+    def combine(name, a, b, w):
+        if name.endswith("_max"):
+            return jnp.maximum(a, b)
+        if name.endswith("_min"):
+            return jnp.minimum(a, b)
+        return a + w * b
+
+    def value_and_grad(params, batch, rng, *frozen):
+        chunks = split_rows(batch, num_chunks)
+        first = jax.tree.map(lambda x: x[0], chunks)
+        shapes = jax.eval_shape(grad_fn, params, first, rng, *frozen)
+        (_, aux_shape), _ = shapes
+        zero = lambda s: jnp.zeros(s.shape, s.dtype)  # noqa: E731
+        init_aux = {
+            k: jnp.full(s.shape, -jnp.inf if k.endswith("_max") else jnp.inf, s.dtype)
+            if k.endswith(("_max", "_min"))
+            else zero(s)
+            for k, s in aux_shape.items()
+        }
+        init = (jnp.zeros((), jnp.float32), jnp.zeros((), jnp.float32), init_aux)
+        init = (*init, jax.tree.map(zero, shapes[1]))
+
+        def body(acc, chunk):
+            total_w, loss_sum, aux_sum, grad_sum = acc
+            (loss, aux), grads = grad_fn(params, chunk, rng, *frozen)
+            w = jnp.asarray(chunk_weight(chunk), jnp.float32)
+            aux_sum = {k: combine(k, aux_sum[k], aux[k], w) for k in aux_sum}
+            grad_sum = jax.tree.map(lambda a, g: a + w * g, grad_sum, grads)
+            return (total_w + w, loss_sum + w * loss, aux_sum, grad_sum), None
+
+        (total_w, loss_sum, aux_sum, grad_sum), _ = jax.lax.scan(body, init, chunks)
+        total_w = jnp.maximum(total_w, 1e-12)
+        aux = {k: v if k.endswith(("_max", "_min")) else v / total_w for k, v in aux_sum.items()}
+        grads = jax.tree.map(lambda g: (g / total_w).astype(g.dtype), grad_sum)
+        return (loss_sum / total_w, aux), grads
+
+    return value_and_grad
+
+
 def make_train_step(
-    loss_fn: Callable, optimizer: optax.GradientTransformation, donate: bool = True, jit=True
+    loss_fn: Callable,
+    optimizer: optax.GradientTransformation,
+    donate: bool = True,
+    jit=True,
+    microbatches: int = 1,
+    chunk_weight: Callable | None = None,
 ) -> Callable:
+    """`microbatches > 1`: gradient accumulation over that many row chunks of the batch
+    (`accumulated_value_and_grad`; `chunk_weight(chunk)` is the denominator of the chunk's mean
+    loss, default its row count)."""
+    weight = chunk_weight or (lambda chunk: jax.tree.leaves(chunk)[0].shape[0])
+    grad_fn = accumulated_value_and_grad(loss_fn, microbatches, weight)
+
     def train_step(state: TrainState, batch, *frozen):
         rng, key = jax.random.split(jax.random.wrap_key_data(state.rng))
-        grad_fn = jax.value_and_grad(loss_fn, has_aux=True)
         (loss, aux), grads = grad_fn(state.params, batch, key, *frozen)
         grad_norm = optax.tree.norm(grads)
         ok = jnp.isfinite(loss) & jnp.isfinite(grad_norm)

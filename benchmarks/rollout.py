@@ -8,19 +8,24 @@ arithmetic for the demo; `--prompts mixed` for chat requests), padded to one wid
 rows cycles through them (B=1: 16 runs of one prompt), so acceptance is averaged over the set.
 Grid: batch sizes x γ x temperatures x rules (flags). Per cell: tokens/s, speedup over the plain
 sampler, accept length (tokens per target forward), per-position acceptance, and the
-efficiency = measured speedup / predicted speedup, where
-predicted = (plain loop steps * t_step) / (speculative loop cycles * (t_verify(γ+1) + γ t_draft)):
-t_step is the plain sampler's own time per loop step; t_verify and t_draft are timed as jitted
-loops of that one forward the way the samplers run it (prepared weights, carried cache, outputs
-used); loop steps and cycles are counted until each batch's slowest row ends. Both samplers get
-the decode weights prepared once (`model.decode_layers_jit`), as RL and distillation do.
+efficiency = measured speedup / predicted speedup, where the predicted speedup is the ratio of
+the two loops' modelled seconds per token, each over its own run's tokens:
+    predicted = (plain steps * t_step / plain tokens)
+                / (speculative cycles * (t_verify(γ+1) + γ t_draft) / speculative tokens),
+so efficiency = modelled / measured time of the speculative loop. t_step is the plain sampler's
+own time per loop step; t_verify and t_draft are timed as jitted loops of that one forward the
+way the samplers run it (`spec_compacted.loop_costs`: prepared weights, carried cache, outputs
+used); loop steps and cycles are counted until each batch's slowest row ends. (The two runs
+draw different samples, so their lengths differ: a prediction without the token counts moved
+the efficiency by the ratio of the two runs' tokens, e.g. 0.82 at B=1, T=0.7, γ=2.) Both
+samplers get the decode weights prepared once (`model.decode_layers_jit`), as RL and
+distillation do.
 Last line: one JSON object.
 """
 
 from __future__ import annotations
 
 import argparse
-import functools
 import json
 import sys
 import time
@@ -29,69 +34,14 @@ from pathlib import Path
 import jax
 import jax.numpy as jnp
 import numpy as np
-from flax import nnx
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from bebop import config as config_lib  # noqa: E402
-from bebop import model, prompts, sampling, sharding, speculative  # noqa: E402
+from bebop import model, prompts, sampling, sharding, spec_compacted, speculative  # noqa: E402
 from bebop import mtp as mtp_lib  # noqa: E402
 
 REPO = Path(__file__).resolve().parents[1]
-
-
-def best_time(fn, repeats):
-    fn()  # compile
-    best = float("inf")
-    for _ in range(repeats):
-        t0 = time.perf_counter()
-        jax.block_until_ready(fn())
-        best = min(best, time.perf_counter() - t0)
-    return best
-
-
-def loop_costs(pol, layers, mtp, vocab, batch, context, gammas, iters=16, repeats=3):
-    """Seconds per iteration of a (γ+1)-token verify and of one MTP draft step, each timed as a
-    jitted loop of `iters` iterations the way the samplers run them (weights prepared once, the
-    cache carried through the loop, every output feeding the next iteration so that nothing is
-    dead code)."""
-    cfg = model.graphdef_config(*pol)
-    cache = model.new_cache(cfg, batch, context + iters + max(gammas) + 2)
-    cache = cache.replace(lengths=jnp.full((batch,), context, jnp.int32))
-
-    @functools.partial(jax.jit, static_argnums=3)
-    def verify(params, layers, cache, width):
-        def body(_, carry):
-            c, tok_B = carry
-            toks = jnp.broadcast_to(tok_B[:, None], (batch, width))
-            logits, _, c2 = model.extend(pol[0], params, c, toks, None, layers)
-            return c2.rollback(c.lengths + 1), sampling.argmax(logits[:, -1])
-
-        return jax.lax.fori_loop(0, iters, body, (cache, jnp.ones((batch,), jnp.int32)))
-
-    res = {}
-    for w in sorted({1, *[g + 1 for g in gammas]}):
-        fn = functools.partial(verify, pol[1], layers, cache, w)
-        res[f"verify_{w}"] = best_time(fn, repeats) / iters
-    mcache = mtp_lib.new_cache(cfg, nnx.merge(*mtp).num_layers, batch, context + iters + 2)
-    mcache = mcache.replace(lengths=jnp.full((batch,), context, jnp.int32))
-
-    @jax.jit
-    def draft(pp, mp, c):
-        policy, m = nnx.merge(pol[0], pp), nnx.merge(mtp[0], mp)
-        head = layers.head_DxV if vocab is None else mtp_lib.draft_head(policy, vocab)
-
-        def body(_, carry):
-            c, hid, tok_B = carry
-            out, normed, c = mtp_lib.extend(m, policy, 0, c, hid, tok_B[:, None])
-            logits = mtp_lib.logits(policy, normed, head)[:, 0]
-            return c.advance(jnp.ones((batch,), jnp.int32)), out, sampling.argmax(logits)
-
-        init = (c, jnp.zeros((batch, 1, cfg.dim), jnp.float32), jnp.ones((batch,), jnp.int32))
-        return jax.lax.fori_loop(0, iters, body, init)
-
-    res["draft"] = best_time(lambda: draft(pol[1], mtp[1], mcache), repeats) / iters
-    return res
 
 
 def load_models(args, mesh):
@@ -170,7 +120,7 @@ def main():
     rows = []
     for b in args.batches:
         parts = batches(all_toks, all_lens, b)
-        costs = loop_costs(
+        costs = spec_compacted.loop_costs(
             pol, layers, mtp, vocab, b, int(all_toks.shape[1]) + args.new_tokens // 2, gammas
         )
         for temp in temps:
@@ -186,7 +136,8 @@ def main():
                 return sampling.sample_jit(*pol, t, ln, keys[i], scfg, layers)
 
             t_plain, outs = timed_pass(plain, parts, args.repeats)
-            plain_tps = sum(int(o.lengths.sum()) for o in outs) / t_plain
+            plain_tokens = sum(int(o.lengths.sum()) for o in outs)
+            plain_tps = plain_tokens / t_plain
             # The plain loop runs until its longest row ends: one step per token of that row.
             plain_steps = sum(int(o.lengths.max()) for o in outs)
             t_step = t_plain / plain_steps
@@ -205,10 +156,12 @@ def main():
                     tps = summ["tokens"] / t
                     # Cost model: each cycle of the loop (until its slowest row ends) is one
                     # (γ+1)-token verify + γ MTP calls (catch-up + γ-1 chain steps); each plain
-                    # step the plain sampler's own measured step.
+                    # step the plain sampler's own measured step. Per token of each run.
                     cycles = sum(int(o.stats.verify_calls.max()) for o in outs)
                     t_cycle = costs[f"verify_{g + 1}"] + g * costs["draft"]
-                    predicted = (plain_steps * t_step) / (cycles * t_cycle)
+                    predicted = (plain_steps * t_step / plain_tokens) / (
+                        cycles * t_cycle / summ["tokens"]
+                    )
                     row = {
                         "batch": b,
                         "temperature": temp,
@@ -228,6 +181,8 @@ def main():
                         "verify_cost": costs[f"verify_{g + 1}"] / t_step,
                         "verify_cost_vs_1": costs[f"verify_{g + 1}"] / costs["verify_1"],
                         "draft_cost": costs["draft"] / t_step,
+                        "plain_tokens": plain_tokens,
+                        "spec_tokens": summ["tokens"],
                     }
                     rows.append(row)
                     per_pos = " / ".join(f"{row[f'accept_rate_{k}']:.2f}" for k in range(1, g + 1))

@@ -9,8 +9,8 @@ distribution, four ways: the static plain loop (every row runs until the longest
 compacted plain (`sampling.sample_compacted`: half the rows each time the live rows fall to
 half), the static speculative loop at `--gamma`, and compacted speculative with a γ per bucket
 (`--draft_table`, e.g. "64:0,16:2"; `auto`: `compaction.draft_table` from the verify / draft
-costs `benchmarks/rollout.py::loop_costs` measures at each bucket size and the static
-speculative run's acceptance). Wall time: best of `--repeats` after a warm-up call that compiles.
+costs `spec_compacted.loop_costs` measures at each bucket size and the static speculative run's
+per-position acceptance). Wall time: best of `--repeats` after a warm-up call that compiles.
 Prints each variant's time and its ratio to the static plain loop; last line: one JSON object.
 """
 
@@ -27,9 +27,9 @@ import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from bebop import compaction, model, sampling, sharding, speculative  # noqa: E402
+from bebop import compaction, model, sampling, sharding, spec_compacted, speculative  # noqa: E402
 from bebop import config as config_lib  # noqa: E402
-from benchmarks.rollout import load_models, loop_costs  # noqa: E402
+from benchmarks.rollout import load_models  # noqa: E402
 
 
 def best_time(fn, repeats: int):
@@ -97,16 +97,16 @@ def main():
     summ = speculative.summarize(static_spec)
     if args.draft_table == "auto":
         context = int(toks.shape[1]) + scfg.max_new_tokens // 2
-        gammas = list(range(1, args.gamma + 1))
-        costs = {}
-        for b in compaction.bucket_sizes(args.batch, mb):
-            c = loop_costs(pol, layers, mtp, vocab, b, context, gammas, repeats=args.repeats)
-            costs[b] = {**c, "step": c["verify_1"]}
-        table = compaction.draft_table(summ["accept_rate"], costs, args.gamma)
+        sizes = compaction.bucket_sizes(args.batch, mb)
+        costs = spec_compacted.bucket_costs(
+            pol, layers, mtp, vocab, sizes, context, args.gamma, args.repeats
+        )
+        rates = [summ[f"accept_rate_{k}"] for k in range(1, args.gamma + 1)]
+        table = compaction.draft_table(rates, costs, args.gamma)
     else:
         table = parse_table(args.draft_table)
     res["compact_spec_s"], compact_spec = best_time(
-        lambda: speculative.sample_compacted(
+        lambda: spec_compacted.sample_compacted(
             *pol, *mtp, toks, lens, key, scfg, spec, vocab, layers, mb, table
         ),
         args.repeats,

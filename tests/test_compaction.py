@@ -10,9 +10,10 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from bebop import compaction, config, model, sampling, speculative
+from bebop import compaction, config, model, rollout, sampling, spec_compacted, speculative
 from bebop import mtp as mtp_lib
 from bebop.speculative import SpecConfig
+from bebop.tokenizer import CharTokenizer
 
 from .conftest import REPO
 from .test_speculative import SMALL, V_SMALL, _broken_rule, _chi2_pvalue, _models
@@ -64,7 +65,7 @@ def test_speculative_compacted_equals_uncompacted(rule):
     toks, lens = sampling.pad_prompts(PROMPTS)
     key = jax.random.key(2)
     ref = speculative.sample_jit(*pol, *mtp, toks, lens, key, scfg, spec)
-    out = speculative.sample_compacted(*pol, *mtp, toks, lens, key, scfg, spec, min_bucket=2)
+    out = spec_compacted.sample_compacted(*pol, *mtp, toks, lens, key, scfg, spec, min_bucket=2)
     _spread(ref.sample.lengths)
     assert 0 < ref.stats.accepts.sum() < ref.stats.attempts.sum()
     _assert_same(out, ref)
@@ -83,7 +84,7 @@ def test_greedy_speculative_with_compaction_and_a_draft_table_equals_plain():
     toks, lens = sampling.pad_prompts([[1, t] for t in (3, 4, 12, 5, 9, 10, 6, 15)])
     plain = jax.device_get(sampling.sample_jit(*pol, toks, lens, jax.random.key(0), scfg))
     _spread(plain.lengths)
-    out = speculative.sample_compacted(
+    out = spec_compacted.sample_compacted(
         *(*pol, *mtp, toks, lens, jax.random.key(0), scfg, SpecConfig(2, "rejection")),
         min_bucket=2,
         draft_table=TABLE,
@@ -104,7 +105,7 @@ def test_copy_mtp_accepts_every_draft_as_the_draft_length_changes():
     scfg = sampling.SamplingConfig(temperature=1.0, max_new_tokens=N, eos_ids=EOS)
     toks, lens = sampling.pad_prompts(PROMPTS)
     table = ((8, 4), (4, 2), (2, 1))  # γ only goes down: the excess path
-    out = speculative.sample_compacted(
+    out = spec_compacted.sample_compacted(
         *(*pol, *mtp, toks, lens, jax.random.key(3), scfg, SpecConfig(3, "rejection")),
         min_bucket=2,
         draft_table=table,
@@ -159,7 +160,7 @@ def test_lossless_with_compaction_and_a_draft_table(rule, monkeypatch):
     toks, lens = sampling.pad_prompts([prompt] * rows)
     seqs = []
     for seed in range(4):
-        out = speculative.sample_compacted(
+        out = spec_compacted.sample_compacted(
             *(*pol, *mtp, toks, lens, jax.random.key(seed), scfg, spec),
             min_bucket=rows // 2,
             draft_table=table,
@@ -230,3 +231,48 @@ def test_draft_for_batch_and_bucket_sizes():
 def test_bad_rollout_compaction_keys_fail_naming_the_key(override, key):
     with pytest.raises(config.ConfigError, match=key.replace(".", r"\.")):
         config.load(str(REPO / "configs/demo.py"), [override])
+
+
+def test_rollouts_derive_the_draft_table_from_costs_and_the_running_acceptance():
+    """`Rollouts`' default draft table (compaction on, `rollout.draft_table` empty) on given
+    costs: 8 rows verify cheaply, 16 rows dearly; per-position acceptance over the last 4
+    rollouts. Expected tokens per unit time by hand (E_γ = 1 + α1 + α1 α2 + α1 α2 α3)."""
+    cfg, _ = config.load(str(REPO / "configs/demo.py"), ["rollout.compact=True"])
+    cfg = dataclasses.replace(cfg, rollout=dataclasses.replace(cfg.rollout, num_draft=3))
+
+    def costs(per_token):  # a verify over W tokens: 1 + per_token (W - 1); a draft: 0.1
+        return {
+            "step": 1.0,
+            "draft": 0.1,
+            **{f"verify_{w}": 1 + per_token * (w - 1) for w in (2, 3, 4)},
+        }
+
+    ro = rollout.Rollouts(
+        cfg, None, None, CharTokenizer(), None, draft_costs={8: costs(0.1), 16: costs(0.5)}
+    )
+    assert ro.table == () and ro.acceptance is not None  # the first rollout: γ = 3 everywhere
+    # α = 0.8, 0.75, 0.75: E = 1.8, 2.4, 2.85. 8 rows: 1.8/1.2 = 1.5, 2.4/1.4 = 1.71,
+    # 2.85/1.6 = 1.78 -> γ = 3; 16 rows: 1.8/1.6 = 1.125, 2.4/2.2 = 1.09, 2.85/2.8 = 1.02 -> 1.
+    high = ([100, 80, 60], [80, 60, 45])
+    assert ro.update_draft_table(*high) == {"draft_table": [[8, 3], [16, 1]]}
+    assert ro.update_draft_table(*high) == {}  # unchanged: nothing to log
+    assert ro.table == ((8, 3), (16, 1))
+    # Acceptance falls to 0.3, 0.3, 1/3 per rollout. Window after 1 such rollout: α = 190/300,
+    # 129/190, 93/129 (E = 1.633, 2.063, 2.373): 8 rows 1.36, 1.47, 1.48 -> 3; 16 rows 1.02,
+    # 0.94, 0.85 -> 1 (unchanged). After 2: α = .55, 138/220, 96/138 (E = 1.55, 1.895, 2.135):
+    # 8 rows 1.29, 1.35, 1.33 -> 2; 16 rows 0.97 -> 0. After 3: α = .425, 87/170, 54/87 (E =
+    # 1.425, 1.643, 1.778): 8 rows 1.19, 1.17, 1.11 -> 1. After 4, only these: α = .3, .3, 1/3
+    # (E = 1.3, 1.39, 1.42): 8 rows 1.08, 0.99, 0.89 -> 1; 16 rows 0.81 -> 0 (unchanged).
+    low = ([100, 30, 9], [30, 9, 3])
+    logged = [ro.update_draft_table(*low) for _ in range(4)]
+    assert logged == [
+        {},
+        {"draft_table": [[8, 2], [16, 0]]},
+        {"draft_table": [[8, 1], [16, 0]]},
+        {},
+    ]
+    # Only γ <= 1 drafts for 4 rollouts: positions 2 and 3 keep their last estimates.
+    for _ in range(4):
+        ro.update_draft_table([100, 0, 0], [50, 0, 0])
+    assert ro.acceptance.rates() == pytest.approx([0.5, 0.3, 1 / 3])
+    assert compaction.expected_tokens([0.8, 0.75], 3) == pytest.approx(2.85)

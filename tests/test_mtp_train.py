@@ -160,6 +160,26 @@ def test_mtp_initialised_from_the_last_backbone_layer(tiny_cfg):
     assert float(jnp.abs(rand_out - want).max()) > 0.1
 
 
+def test_random_init_is_the_eager_draws_compiled_once_per_shape(tiny_cfg):
+    """`mtp.init` draws the parameters of an eagerly built `MTP` (same keys, same std) in one
+    compiled program, whatever the seed: equal up to the rounding of the std scaling (a few
+    float32 ulps, < 1e-6 relative; a different draw differs by O(1))."""
+    cfg = dataclasses.replace(tiny_cfg, init_std=0.05)
+    for n, seed in ((1, 3), (2, 7)):
+        ref_gd, ref = nnx.split(mtp_lib.MTP(cfg, n, nnx.Rngs(params=seed)))
+        gd, got = mtp_lib.init(cfg, n, seed)
+        assert gd == ref_gd
+        for a, b in zip(jax.tree.leaves(got), jax.tree.leaves(ref), strict=True):
+            assert a.dtype == b.dtype and a.shape == b.shape
+            np.testing.assert_allclose(a, b, rtol=1e-6, atol=0)
+    before = mtp_lib._init_params._cache_size()
+    other = mtp_lib.init(cfg, 2, 8)[1]  # a new seed: the same program
+    assert mtp_lib._init_params._cache_size() == before
+    w, w_ref = other["layers"]["w_fc"][...], ref["layers"]["w_fc"][...]
+    assert float(jnp.abs(w - w_ref).max()) > 0.05
+    assert float(jnp.std(w)) == pytest.approx(0.05, rel=0.05)  # 2 x 2D x D = 4096 draws
+
+
 def test_patience_stops_after_evaluations_without_a_new_best():
     stop = patience_stop(2)
     seq = [1.0, 1.2, 1.1, 1.3, 1.25, 1.3, 1.4]

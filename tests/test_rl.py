@@ -340,6 +340,21 @@ def test_growmtp_target_is_the_behaviour_versions_distribution(tiny_cfg):
 # ----------------------------------------------------------------------------- the RL stage
 
 
+# The `pretrained` fixture's stages (every RL launch on a copy of it repeats them: a finished
+# stage refuses a changed config). Sized so that programs are shared: the SFT and RL greedy
+# evaluations (16 rows), the MTP evaluation's rejection sampler and the RL rollouts (16 rows =
+# 4 prompts x 4); one MTP loss (no warm-up loss: no RL test needs a good draft, only a trained one).
+PRE = [
+    "sft.steps=60",
+    "sft.eval_samples=16",
+    "distill.num_samples=64",
+    "mtp.steps=20",
+    "mtp.warmup_loss_steps=0",
+    "mtp.eval_every=20",
+    "mtp.eval_prompts=16",
+]
+
+
 def _rl_cfg(*overrides):
     base = [
         "rl.steps=4",
@@ -347,13 +362,7 @@ def _rl_cfg(*overrides):
         "rl.group_size=4",
         "rl.eval_samples=16",
         "ckpt.every=2",
-        "sft.steps=60",
-        "sft.eval_samples=8",
-        "distill.num_samples=64",
-        "mtp.steps=20",
-        "mtp.warmup_loss_steps=10",
-        "mtp.eval_every=20",
-        "mtp.eval_prompts=8",
+        *PRE,
     ]
     return config_lib.load(str(REPO / "configs/demo.py:runlocal"), base + list(overrides))[0]
 
@@ -528,13 +537,7 @@ RESUME = [
     "ckpt.every=2",
     "rl.max_staleness=1",
     "ckpt.async_save=False",
-    "sft.steps=60",
-    "sft.eval_samples=8",
-    "distill.num_samples=64",
-    "mtp.steps=20",
-    "mtp.warmup_loss_steps=10",
-    "mtp.eval_every=20",
-    "mtp.eval_prompts=8",
+    *PRE,
 ]
 
 
@@ -594,5 +597,13 @@ def test_rl_without_the_mtp_stage_loads_the_trained_draft_or_names_the_missing_o
     (tmp_path / "mtp").mkdir()
     with pytest.raises(FileNotFoundError, match=r"mtp/ckpt holds no checkpoint"):
         rl_stage.load_draft_model(cfg, tmp_path, policy, mesh)
+    # another run's pre-RL MTP (`mtp.init_from`) when this workdir has none
+    other = _rl_cfg("stages=('rl',)", f"mtp.init_from='{pretrained / 'mtp' / 'ckpt'}'")
+    _, got_other, _ = rl_stage.load_draft_model(other, tmp_path, policy, mesh)
+    for a, b in zip(jax.tree.leaves(got_other), jax.tree.leaves(want), strict=True):
+        np.testing.assert_array_equal(a, b)
+    missing = _rl_cfg("stages=('rl',)", f"mtp.init_from='{tmp_path / 'none'}'")
+    with pytest.raises(FileNotFoundError, match=r"'mtp.init_from': .*none holds no checkpoint"):
+        rl_stage.load_draft_model(missing, tmp_path, policy, mesh)
     grow = _rl_cfg("stages=('rl',)", "rl.mtp_strategy='growmtp'")
     assert rl_stage.load_draft_model(grow, tmp_path, policy, mesh)[2] is None

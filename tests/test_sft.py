@@ -85,8 +85,8 @@ def test_checkpointer_roundtrip_keeps_meta(tmp_path):
 
 def test_runlocal_pipeline_learns_the_task_and_trains_the_mtp(tmp_path):
     """The 'done when' command: launch.py on the runlocal config. Loss must fall and greedy task
-    accuracy on 128 held-out problems must beat chance (exact-match answers in 0..198: chance
-    < 1 %) by a wide margin: threshold 30 %."""
+    accuracy on 64 held-out problems must beat chance (exact-match answers in 0..198: chance
+    < 1 %) by a wide margin: threshold 30 % (about 0.7 is typical: 7 binomial sd above it)."""
     proc = subprocess.run(
         [
             sys.executable,
@@ -109,7 +109,7 @@ def test_runlocal_pipeline_learns_the_task_and_trains_the_mtp(tmp_path):
     assert (tmp_path / "config.json").exists()
     assert any(p.name.isdigit() for p in (tmp_path / "sft/ckpt").iterdir())
     # distill + pre-RL MTP training (e2e TV): the real speculative sampler accepts more drafts
-    # on 32 held-out prompts after training than with the random initial MTP (+0.3 tokens).
+    # on 64 held-out prompts after training than with the random initial MTP (+0.3 tokens).
     mtp = summaries["mtp"]
     assert mtp["after"]["rejection/accept_len"] > mtp["before"]["rejection/accept_len"] + 0.3
     assert summaries["distill"]["response_tokens"] > 0

@@ -79,6 +79,16 @@ def k3_kl(logits_BxTxV, ref_logits_BxTxV, tokens_BxS, scfg: SamplingConfig):
     return jnp.maximum(jnp.expm1(d) - d, 0.0)  # expm1 and the floor: no float32 round-off < 0
 
 
+def chunk_weight(agg: str):
+    """The denominator of `policy_loss`'s mean over a batch (chunk): its response tokens under
+    token aggregation, its rows under sequence aggregation -- the weights that make gradient
+    accumulation over row chunks (`rl.microbatch`) equal to one pass over the whole batch (its
+    token-mean metrics are then row-weighted across chunks under sequence aggregation)."""
+    if agg == "token":
+        return lambda b: b.mask.sum()
+    return lambda b: b.mask.shape[0]
+
+
 def policy_loss(
     graphdef,
     params,

@@ -111,7 +111,10 @@ def build(cfg: RunConfig, pol_gd, mtp_gd, scfg, vocab, opt, mtp_opt, store, ref_
     loss_name, train_steps = mtp_objective(cfg)
     temp = max(cfg.rollout.temperature, 1e-3)
     mtp_fn = mtp_loss(pol_gd, mtp_gd, loss_name, train_steps, cfg.mtp.chunk, temp, vocab)
-    inner_pol = make_train_step(grpo_loss, opt, donate=False, jit=False)
+    rows = rl.prompts_per_step * rl.group_size
+    chunks = rows // rl.microbatch if rl.microbatch else 1
+    pol_kw = dict(microbatches=chunks, chunk_weight=grpo.chunk_weight(rl.loss_agg))
+    inner_pol = make_train_step(grpo_loss, opt, donate=False, jit=False, **pol_kw)
     inner_mtp = make_train_step(mtp_fn, mtp_opt, donate=False, jit=False)
 
     def joint(ps, ms, batch, ref):
@@ -120,7 +123,7 @@ def build(cfg: RunConfig, pol_gd, mtp_gd, scfg, vocab, opt, mtp_opt, store, ref_
         return ps, ms, {**pm, **{f"mtp_{k}": v for k, v in mm.items()}}
 
     return Learner(
-        policy_step=make_train_step(grpo_loss, opt),
+        policy_step=make_train_step(grpo_loss, opt, **pol_kw),
         mtp_step=make_train_step(mtp_fn, mtp_opt),
         joint_step=jax.jit(joint, donate_argnums=(0, 1)),
         store=store,

@@ -10,6 +10,11 @@ The MTP strategies (`rl.mtp_strategy`: frozen, online, joint, growmtp) are the s
 `learner.MTP_STRATEGIES`; the rollouts come from `rollout.Rollouts` (or the `make_rollouts`
 argument, e.g. a test's recording source).
 
+Several processes: rollouts and learner steps launch their device programs in one deterministic
+order that every process follows (`loop.Turnstile`; why this and not disjoint rollout / learner
+sub-meshes: `bebop/rl/loop.py`), each step checks that all processes agree on step and versions,
+and process 0 alone writes metrics, draft records and the summary.
+
 Per step, `metrics.jsonl` gets the learner's metrics, the batch's rollout statistics
 (`records.rollout_stats`: reward mean / std, zero-std groups, per-position acceptance, accept-length
 histogram), a wall-clock `time`, the step's time split (rollout_s and reward_s of its batch;
@@ -44,20 +49,30 @@ log = logging.getLogger(__name__)
 def load_draft_model(cfg: RunConfig, workdir: Path, policy, mesh):
     """(graphdef, params, draft vocabulary) of the MTP the rollouts draft with: a fresh one for
     GrowMTP (or plain rollouts, which never draft), else the `mtp` stage's trained MTP in
-    `DIR/mtp/ckpt` -- whether or not this launch lists that stage --, else the MTP layers the
-    policy checkpoint ships if `mtp.init='checkpoint'`, or an error naming the missing one."""
+    `DIR/mtp/ckpt` -- whether or not this launch lists that stage --, else (no `mtp` stage in
+    this workdir) another run's trained MTP named by `mtp.init_from` (e.g.
+    `runs/mtp_smollm2/mtp/ckpt`: one pre-RL MTP for several RL runs; its draft vocabulary next
+    to it), else the MTP layers the policy checkpoint ships if `mtp.init='checkpoint'`, or an
+    error naming the missing one."""
     ckpt_dir = Path(workdir) / "mtp" / "ckpt"
     if cfg.rl.mtp_strategy == "growmtp" or cfg.rollout.mode == "plain":
         return (*policies.init_mtp(cfg, policy, mesh), None)
-    if not ckpt_dir.is_dir() or not any(p.name.isdigit() for p in ckpt_dir.iterdir()):
+    has_ckpt = lambda d: d.is_dir() and any(p.name.isdigit() for p in d.iterdir())  # noqa: E731
+    if not has_ckpt(ckpt_dir) and cfg.mtp.init_from and "mtp" not in cfg.stages:
+        other = Path(cfg.mtp.init_from)
+        if not has_ckpt(other):
+            raise FileNotFoundError(f"config key 'mtp.init_from': {other} holds no checkpoint")
+        return policies.load_mtp(cfg, other, policy.cfg, mesh)
+    if not has_ckpt(ckpt_dir):
         if cfg.mtp.init == "checkpoint" and not cfg.mtp.init_from:
             return (*policies.init_mtp(cfg, policy, mesh), None)
         raise FileNotFoundError(
             f"rl: rollout.mode={cfg.rollout.mode!r} with rl.mtp_strategy="
             f"{cfg.rl.mtp_strategy!r} drafts with the trained MTP, but {ckpt_dir} holds no "
             "checkpoint: run the 'mtp' stage first (add it to `stages`), or use "
-            "rl.mtp_strategy='growmtp' or rollout.mode='plain' (or mtp.init='checkpoint' to "
-            "draft with the MTP layers an HF policy checkpoint ships)"
+            "mtp.init_from=<another run>/mtp/ckpt, rl.mtp_strategy='growmtp' or "
+            "rollout.mode='plain' (or mtp.init='checkpoint' to draft with the MTP layers an HF "
+            "policy checkpoint ships)"
         )
     return policies.load_mtp(cfg, ckpt_dir, policy.cfg, mesh)
 
@@ -139,8 +154,10 @@ def run(
         writer.truncate_after(step)
         if writer.enabled:
             records.truncate_draft_tokens(drafts_path, step)
-    elif writer.enabled and drafts_path.exists():
-        drafts_path.unlink()  # a fresh run
+    else:  # a fresh run (also after a launch killed before its first checkpoint)
+        writer.truncate_after(0)
+        if writer.enabled and drafts_path.exists():
+            drafts_path.unlink()
     start = int(pol_state.step)
 
     store.publish(
@@ -159,7 +176,11 @@ def run(
     )
     q: queue.Queue = queue.Queue(maxsize=max(1, rl.max_staleness))
     stop = threading.Event()
-    worker = loop.RolloutWorker(rollouts, store, q, start, rl.max_staleness, stop, first_version)
+    # Several processes: rollouts and updates launch in one global order (`loop.Turnstile`).
+    turns = loop.Turnstile(start, rl.max_staleness, rl.steps) if jax.process_count() > 1 else None
+    worker = loop.RolloutWorker(
+        rollouts, store, q, start, rl.max_staleness, stop, first_version, rl.steps, turns
+    )
     worker.start()
 
     save_due = False
@@ -168,8 +189,11 @@ def run(
     try:
         for step in range(start, rl.steps):
             split = Timer()  # this step's time split
+            if turns is not None:
+                turns.acquire(("L", step))
             with split("wait_s"):
                 batch = loop.next_batch(q, step, versions["policy"], rl.max_staleness)
+            loop.check_agreement(step, batch, versions["policy"])
             dev = sharding.shard_batch(batch.data, mesh)
             pol_state, mtp_state, m, mtp_updated = strategy(
                 learn, split, pol_state, mtp_state, dev, batch.policy_version, step
@@ -203,7 +227,7 @@ def run(
                 "mtp_version": versions["mtp"],
                 "staleness": versions["policy"] - 1 - batch.policy_version,
             }
-            rec_host = jax.device_get(rec)
+            rec_host = sharding.to_host(rec)
             history.append({k: float(rec_host[k]) for k in SUMMARY_KEYS if k in rec_host})
             bar.update(1, int(batch.data.mask.sum()), reward=f"{batch.stats['reward_mean']:.3f}")
             if (step + 1) % rl.log_every == 0 or step + 1 == rl.steps:
@@ -227,8 +251,12 @@ def run(
                 raise Preempted(f"rl: SIGTERM at step {step + 1}; {last_good()}")
             if stop_at_step is not None and step + 1 >= stop_at_step:
                 raise Interrupted(f"stopped at step {step + 1}")
+            if turns is not None:
+                turns.release(("L", step))
     finally:
         stop.set()
+        if turns is not None:
+            turns.close()
         worker.join(timeout=60)
         bar.close()
         ckpt.close()
@@ -241,7 +269,8 @@ def run(
         speed = rollout.rollout_speedup(rollouts, pol_state.params, mtp_state.params, cfg)
     summary = summarize(history, rl, acc_before, acc_after, rl_wall, timer.totals, speed)
     summary["eval_curve"] = [*evals, (rl.steps, acc_after)]  # (step, greedy accuracy)
-    io.write_json_atomic(rdir / "summary.json", summary)
+    if sharding.is_primary():
+        io.write_json_atomic(rdir / "summary.json", summary)
     return summary
 
 

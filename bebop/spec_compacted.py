@@ -1,0 +1,268 @@
+"""Tail-aware driver of the speculative sampler: `sample_compacted` runs `speculative`'s loop
+bucket by bucket (`compaction.run`: each time the live rows fall to half, the loop continues with
+half the rows), with optionally another draft length γ per bucket size (`regamma` adapts the loop
+state to it). One compilation per bucket size; outputs in the original row order. `loop_costs`
+times the loop's verify and draft steps at one batch size: what `compaction.draft_table` chooses
+the per-bucket γ from (and what `benchmarks/rollout.py`'s cost model counts).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import time
+
+import jax
+import jax.numpy as jnp
+from flax import nnx
+
+from bebop import compaction, model, sampling, speculative
+from bebop import mtp as mtp_lib
+from bebop.sampling import SamplingConfig
+from bebop.speculative import SpecConfig, SpecOutput
+
+
+def regamma(m: speculative.Models, s: speculative.State, num_draft: int) -> speculative.State:
+    """The state of a bucket with another γ: the catch-up buffer becomes γ+1 wide. A row holding
+    more entries than that (γ went down after a long accepted run) first lets every MTP layer
+    consume the excess, as the cycle's catch-up would (the entries written past it are
+    overwritten by the next catch-up). Acceptance after a change can differ from the unchanged
+    loop's; the output distribution cannot (any q gives a lossless test)."""
+    w_old, w_new = s.catch_tok_BxW.shape[1], num_draft + 1
+    if w_new >= w_old:
+        pad = ((0, 0), (0, w_new - w_old))
+        return s.replace(
+            catch_hid_BxWxD=jnp.pad(s.catch_hid_BxWxD, pad + ((0, 0),)),
+            catch_tok_BxW=jnp.pad(s.catch_tok_BxW, pad),
+        )
+    mtp_cache = s.mtp_cache
+    for j in range(m.mtp.num_layers):
+        _, _, mtp_cache = mtp_lib.extend(
+            m.mtp, m.policy, j, mtp_cache, s.catch_hid_BxWxD, s.catch_tok_BxW
+        )
+    excess_B = jnp.maximum(s.n_catch_B - w_new, 0)
+    idx_BxW = jnp.minimum(jnp.arange(w_new)[None] + excess_B[:, None], w_old - 1)
+    return s.replace(
+        mtp_cache=mtp_cache.advance(excess_B),
+        catch_hid_BxWxD=jnp.take_along_axis(s.catch_hid_BxWxD, idx_BxW[..., None], axis=1),
+        catch_tok_BxW=jnp.take_along_axis(s.catch_tok_BxW, idx_BxW, axis=1),
+        n_catch_B=s.n_catch_B - excess_B,
+    )
+
+
+_STATIC = ("pol_gd", "mtp_gd", "scfg", "spec", "max_draft", "sync_mtp")
+
+
+@functools.partial(jax.jit, static_argnames=_STATIC[:5])
+def _init_jit(
+    pol_gd,
+    pol_params,
+    mtp_gd,
+    mtp_params,
+    draft_vocab,
+    layers,
+    toks,
+    lens,
+    rng,
+    scfg,
+    spec,
+    max_draft,
+):
+    rows, width = toks.shape
+    max_len = width + scfg.max_new_tokens + max_draft + 1
+    m = speculative.make_models(
+        pol_gd,
+        pol_params,
+        mtp_gd,
+        mtp_params,
+        draft_vocab,
+        layers,
+        scfg,
+        spec,
+        max_len,
+        max_draft=max_draft,
+    )
+    row_keys_B = jax.vmap(jax.random.fold_in, (None, 0))(rng, jnp.arange(rows))
+    return speculative.init_state(m, pol_gd, pol_params, toks, lens, row_keys_B)
+
+
+def _bucket_models(
+    args, s: speculative.State, scfg, spec, max_draft, sync_mtp
+) -> speculative.Models:
+    max_len = s.policy_cache.k[0].shape[2]  # the caches' S, set by `_init_jit`
+    return speculative.make_models(
+        *args, scfg, spec, max_len, max_draft=max_draft, sync_mtp=sync_mtp
+    )
+
+
+@functools.partial(jax.jit, static_argnames=_STATIC, donate_argnames=("s",))
+def _run_jit(
+    pol_gd,
+    pol_params,
+    mtp_gd,
+    mtp_params,
+    draft_vocab,
+    layers,
+    s,
+    min_live,
+    scfg,
+    spec,
+    max_draft,
+    sync_mtp,
+):
+    args = (pol_gd, pol_params, mtp_gd, mtp_params, draft_vocab, layers)
+    return speculative.run_cycles(
+        _bucket_models(args, s, scfg, spec, max_draft, sync_mtp), s, min_live
+    )
+
+
+@functools.partial(jax.jit, static_argnames=(*_STATIC, "num_draft"))
+def _regamma_jit(
+    pol_gd,
+    pol_params,
+    mtp_gd,
+    mtp_params,
+    draft_vocab,
+    layers,
+    s,
+    scfg,
+    spec,
+    max_draft,
+    sync_mtp,
+    num_draft,
+):
+    args = (pol_gd, pol_params, mtp_gd, mtp_params, draft_vocab, layers)
+    return regamma(_bucket_models(args, s, scfg, spec, max_draft, sync_mtp), s, num_draft)
+
+
+_finalise_jit = jax.jit(speculative.finalise, static_argnums=(0, 1, 3))
+
+
+def sample_compacted(
+    pol_gd,
+    pol_params,
+    mtp_gd,
+    mtp_params,
+    prompt_BxP,
+    prompt_lens_B,
+    rng,
+    scfg: SamplingConfig,
+    spec: SpecConfig,
+    draft_vocab=None,
+    layers=None,
+    min_bucket: int = 8,
+    draft_table: tuple = (),
+) -> SpecOutput:
+    """`speculative.sample` with tail-aware compaction (`bebop/compaction.py`): each time the
+    live rows fall to half, the loop continues with half the rows, down to `min_bucket`; outputs
+    in the original row order. With an empty `draft_table` the same samples as
+    `speculative.sample_jit` for the same keys (log-probs and entropies to float rounding across
+    batch sizes: see `compaction`).
+
+    `draft_table`: (batch size, γ) pairs; a bucket of b rows drafts the γ of the largest batch
+    size <= b (`spec.num_draft` below them all; `compaction.draft_for_batch`). γ = 0 verifies
+    the pending token alone: one policy step per token, the MTP still consuming each token while
+    a later bucket drafts again (and idle once none does). Per-position statistics are as wide as
+    the largest γ. Lossless at every γ; the samples differ from a fixed-γ loop's."""
+    batch, width = prompt_BxP.shape
+    sizes = compaction.bucket_sizes(batch, min_bucket)
+    gammas = [compaction.draft_for_batch(draft_table, b, spec.num_draft) for b in sizes]
+    plan = {  # bucket size -> (its SpecConfig, whether a later bucket drafts)
+        b: (dataclasses.replace(spec, num_draft=g), any(gammas[i + 1 :]))
+        for i, (b, g) in enumerate(zip(sizes, gammas, strict=True))
+    }
+    max_draft = max(gammas)
+    layers = model.decode_layers_jit(pol_gd, pol_params) if layers is None else layers
+    args = (pol_gd, pol_params, mtp_gd, mtp_params, draft_vocab, layers)
+    s = _init_jit(*args, prompt_BxP, prompt_lens_B, rng, scfg, plan[batch][0], max_draft)
+
+    def advance(s, min_live):
+        spec_b, later = plan[s.done_B.shape[0]]
+        return _run_jit(*args, s, jnp.int32(min_live), scfg, spec_b, max_draft, later)
+
+    def regroup(s, size):
+        spec_b, later = plan[size]
+        if spec_b.num_draft + 1 == s.catch_tok_BxW.shape[1]:
+            return s
+        return _regamma_jit(*args, s, scfg, spec_b, max_draft, later, spec_b.num_draft)
+
+    rows = compaction.run(
+        s,
+        advance,
+        lambda s: speculative.live(s, scfg),
+        speculative.row_outputs,
+        min_bucket=min_bucket,
+        regroup=regroup,
+    )
+    return _finalise_jit(scfg, spec.record, rows, width)
+
+
+# ----------------------------------------------------------------------------- loop costs
+
+
+def _best_time(fn, repeats: int) -> float:
+    jax.block_until_ready(fn())  # compile
+    best = float("inf")
+    for _ in range(repeats):
+        t0 = time.perf_counter()
+        jax.block_until_ready(fn())
+        best = min(best, time.perf_counter() - t0)
+    return best
+
+
+def loop_costs(pol, layers, mtp, vocab, batch, context, gammas, iters=16, repeats=3) -> dict:
+    """Seconds per iteration of a W-token verify (`verify_{W}`, W = 1 and γ+1 for each γ of
+    `gammas`) and of one MTP draft step (`draft`) at `batch` rows and `context` cached tokens,
+    each timed as a jitted loop of `iters` iterations the way the samplers run them (weights
+    prepared once, the cache carried through the loop, every output feeding the next iteration so
+    that nothing is dead code); best of `repeats`. `pol`, `mtp`: (graphdef, params) pairs;
+    `layers`: the policy's `model.decode_layers`; `vocab`: the draft vocabulary or None."""
+    cfg = model.graphdef_config(*pol)
+    cache = model.new_cache(cfg, batch, context + iters + max(gammas) + 2)
+    cache = cache.replace(lengths=jnp.full((batch,), context, jnp.int32))
+
+    @functools.partial(jax.jit, static_argnums=3)
+    def verify(params, layers, cache, width):
+        def body(_, carry):
+            c, tok_B = carry
+            toks = jnp.broadcast_to(tok_B[:, None], (batch, width))
+            logits, _, c2 = model.extend(pol[0], params, c, toks, None, layers)
+            return c2.rollback(c.lengths + 1), sampling.argmax(logits[:, -1])
+
+        return jax.lax.fori_loop(0, iters, body, (cache, jnp.ones((batch,), jnp.int32)))
+
+    res = {}
+    for w in sorted({1, *[g + 1 for g in gammas]}):
+        fn = functools.partial(verify, pol[1], layers, cache, w)
+        res[f"verify_{w}"] = _best_time(fn, repeats) / iters
+    mcache = mtp_lib.new_cache(cfg, nnx.merge(*mtp).num_layers, batch, context + iters + 2)
+    mcache = mcache.replace(lengths=jnp.full((batch,), context, jnp.int32))
+
+    @jax.jit
+    def draft(pp, mp, c):
+        policy, m = nnx.merge(pol[0], pp), nnx.merge(mtp[0], mp)
+        head = layers.head_DxV if vocab is None else mtp_lib.draft_head(policy, vocab)
+
+        def body(_, carry):
+            c, hid, tok_B = carry
+            out, normed, c = mtp_lib.extend(m, policy, 0, c, hid, tok_B[:, None])
+            logits = mtp_lib.logits(policy, normed, head)[:, 0]
+            return c.advance(jnp.ones((batch,), jnp.int32)), out, sampling.argmax(logits)
+
+        hid_Bx1xD = jnp.zeros((batch, 1, cfg.dim), model.DTYPES[cfg.dtype])
+        init = (c, hid_Bx1xD, jnp.ones((batch,), jnp.int32))
+        return jax.lax.fori_loop(0, iters, body, init)
+
+    res["draft"] = _best_time(lambda: draft(pol[1], mtp[1], mcache), repeats) / iters
+    return res
+
+
+def bucket_costs(pol, layers, mtp, vocab, sizes, context, max_draft, repeats=3) -> dict:
+    """`loop_costs` at each batch size of `sizes` for γ = 1 .. `max_draft`, with `step` = the
+    1-token verify: the `costs` argument of `compaction.draft_table`."""
+    costs = {}
+    for b in sizes:
+        gammas = list(range(1, max_draft + 1))
+        c = loop_costs(pol, layers, mtp, vocab, b, context, gammas, repeats=repeats)
+        costs[b] = {**c, "step": c["verify_1"]}
+    return costs

@@ -1,0 +1,238 @@
+"""The pipeline as 2 JAX processes on localhost (`bebop.local_cluster`, gloo CPU collectives, 2 CPU
+devices each: a 4-device global mesh) against 1 process on the same 4-device mesh; a process
+SIGKILLed mid-RL stops the job within a bound and a restart resumes; the multi-process RL loop's
+launch order (`loop.Turnstile`)."""
+
+import json
+import os
+import queue
+import shutil
+import signal
+import subprocess
+import sys
+import threading
+import time
+
+import numpy as np
+import pytest
+
+from bebop.local_cluster import process_env
+from bebop.metrics import read_jsonl
+from bebop.rl import loop
+
+from .conftest import REPO
+
+# The runlocal demo shrunk further: every stage runs, RL is async (max_staleness 1, the default)
+# with speculative rollouts, and every RL step is checkpointed (the kill test resumes from one).
+SMALL = [
+    "sft.steps=8",
+    "sft.batch_size=8",
+    "sft.eval_samples=8",
+    "distill.num_samples=16",
+    "distill.batch_size=16",
+    "mtp.steps=2",
+    "mtp.warmup_loss_steps=0",
+    "mtp.eval_every=2",
+    "mtp.eval_prompts=8",
+    "mtp.batch_size=8",
+    "rl.steps=4",
+    "rl.prompts_per_step=2",
+    "rl.group_size=4",
+    "rl.eval_samples=8",
+    "rollout.max_new_tokens=8",
+    "ckpt.every=1",
+]
+ARGS = ["--config", "configs/demo.py:runlocal", *[f"--config.{o}" for o in SMALL]]
+# Summaries that must agree: losses, accuracies, rewards, acceptance (not times, not speeds).
+COMPARED = {
+    "sft": ("final_loss", "accuracy"),
+    "distill": ("response_tokens", "seq_len"),
+    "mtp": ("final_loss", "before", "after"),
+    "rl": (
+        "accuracy_before",
+        "accuracy_after",
+        "reward_first",
+        "reward_last",
+        "accept_rate",
+        "accept_len",
+        "mean_entropy",
+        "max_staleness_seen",
+    ),
+}
+RTOL = 1e-4  # collectives sum in another order over 2 processes than within 1
+
+
+def cluster(workdir, **kw):
+    cmd = [sys.executable, "-m", "bebop.local_cluster", "--processes", "2", "--", *ARGS]
+    return subprocess.Popen(
+        [*cmd, "--workdir", str(workdir)],
+        cwd=REPO,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        **kw,
+    )
+
+
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory):
+    """(2-process workdir, 1-process workdir) of the same config, run side by side."""
+    root = tmp_path_factory.mktemp("multiprocess")
+    two = cluster(root / "two")
+    one = subprocess.Popen(
+        [sys.executable, "launch.py", *ARGS, "--workdir", str(root / "one")],
+        cwd=REPO,
+        env=process_env(4),
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
+    for name, proc in (("2 processes", two), ("1 process", one)):
+        out, err = proc.communicate(timeout=900)
+        assert proc.returncode == 0, f"{name}: exit {proc.returncode}\n{err[-3000:]}"
+    return root / "two", root / "one"
+
+
+def summaries(workdir):
+    return {s: json.loads((workdir / s / "summary.json").read_text()) for s in COMPARED}
+
+
+def test_two_processes_match_one_process_on_the_same_mesh(runs):
+    two, one = (summaries(w) for w in runs)
+    for stage, keys in COMPARED.items():
+        for k in keys:
+            np.testing.assert_allclose(
+                np.asarray(list(_leaves(two[stage][k]))),
+                np.asarray(list(_leaves(one[stage][k]))),
+                rtol=RTOL,
+                err_msg=f"{stage}.{k}",
+            )
+    # the async loop reached its staleness bound in both (batch i from version i - 1)
+    assert two["rl"]["max_staleness_seen"] == 1
+    # process 0 alone wrote the records: one line per logged step
+    assert [r["step"] for r in read_jsonl(runs[0] / "rl/metrics.jsonl")] == [1, 2, 3, 4]
+
+
+def _leaves(x):
+    if isinstance(x, dict):
+        for k in sorted(x):
+            yield from _leaves(x[k])
+    else:
+        yield float(x)
+
+
+def test_a_killed_process_stops_the_job_and_a_restart_resumes(runs, tmp_path):
+    """SIGKILL to process 1 once RL step 1 is checkpointed: the launcher stops process 0 and
+    exits with 137 naming process 1 within KILL_BOUND_S; a restart of both resumes RL from the
+    newest checkpoint (the step-1 record is the killed run's, never redone) and ends with the
+    uninterrupted 2-process run's RL results."""
+    kill_bound_s = 30.0
+    for stage in ("sft", "distill", "mtp"):  # finished stages are reused: RL runs again
+        shutil.copytree(runs[0] / stage, tmp_path / stage)
+    shutil.copy(runs[0] / "config.json", tmp_path / "config.json")
+    proc = cluster(tmp_path)
+    pids = proc.stderr.readline()  # "local_cluster: 2 processes on port P: p0=PID, p1=PID"
+    p1 = int(pids.split("p1=")[1])
+    errs = []
+    reader = threading.Thread(target=lambda: errs.extend(proc.stderr), daemon=True)
+    reader.start()
+    metrics = tmp_path / "rl/metrics.jsonl"
+    deadline = time.monotonic() + 600
+    while not (metrics.exists() and read_jsonl(metrics)):
+        assert proc.poll() is None and time.monotonic() < deadline, "".join(errs)[-3000:]
+        time.sleep(0.05)
+    os.kill(p1, signal.SIGKILL)
+    killed_at = time.time()
+    t0 = time.monotonic()
+    proc.wait(timeout=120)
+    took = time.monotonic() - t0
+    reader.join(timeout=10)
+    assert proc.returncode == 137 and took < kill_bound_s, (proc.returncode, took)
+    assert errs[-1].startswith("error: process 1 of 2 was killed by SIGKILL"), errs[-3:]
+    assert not (tmp_path / "rl/summary.json").exists()
+
+    again = cluster(tmp_path)
+    _, err = again.communicate(timeout=600)
+    assert again.returncode == 0, err[-3000:]
+    recs = read_jsonl(metrics)
+    assert [r["step"] for r in recs] == [1, 2, 3, 4]
+    assert recs[0]["time"] < killed_at  # step 1 was restored, not redone
+    got, want = summaries(tmp_path)["rl"], summaries(runs[0])["rl"]
+    for k in COMPARED["rl"]:
+        assert got[k] == want[k], k
+
+
+# ----------------------------------------------------------------------------- launch order
+
+
+def _batch(i, version, mtp_version=0):
+    data = loop.LearnerBatch(np.zeros((1, 1)), np.zeros((1, 1)), np.zeros((1, 1)), np.zeros(1))
+    return loop.RolloutBatch(i, version, mtp_version, data, {}, {})
+
+
+@pytest.mark.parametrize("staleness", [0, 1, 2])
+def test_turnstile_follows_the_staleness_schedule_in_one_global_order(staleness):
+    """Worker and learner threads with a `Turnstile`, the producer slowed at random: the launches
+    happen exactly in `turn_order` (hand-checked for s = 1 below), and batch i comes from version
+    max(0, i - s)."""
+    start, end = 1, 7
+    if staleness == 1:
+        assert loop.turn_order(1, 1, 5) == [
+            ("W", 1), ("W", 2), ("L", 1), ("W", 3), ("L", 2), ("W", 4), ("L", 3), ("L", 4),
+        ]  # fmt: skip
+    events, rng = [], np.random.default_rng(staleness)
+    store, stop = loop.WeightStore(keep=staleness + 2), threading.Event()
+    store.publish(start, "w", "m", 0)
+    turns = loop.Turnstile(start, staleness, end)
+
+    def produce(i, version, *_):
+        time.sleep(rng.uniform(0, 0.01))
+        events.append(("W", i))
+        return _batch(i, version)
+
+    q = queue.Queue(maxsize=max(1, staleness))
+    worker = loop.RolloutWorker(produce, store, q, start, staleness, stop, start, end, turns)
+    worker.start()
+    for step in range(start, end):
+        turns.acquire(("L", step))
+        batch = loop.next_batch(q, step, step, staleness)
+        assert batch.policy_version == max(start, step - staleness)
+        events.append(("L", step))
+        store.publish(step + 1, "w", "m", 0)
+        turns.release(("L", step))
+    worker.join(timeout=10)
+    assert not worker.is_alive()
+    assert events == turns.log == loop.turn_order(start, staleness, end)
+
+
+def test_a_worker_failure_reaches_the_learner_through_the_turnstile():
+    """The worker fails producing batch 2 (after its turn began): the learner's later turns do
+    not wait for it; the learner gets the error at step 2 within a second."""
+    store, stop = loop.WeightStore(keep=3), threading.Event()
+    store.publish(0, "w", "m", 0)
+    turns = loop.Turnstile(0, 1, 6)
+
+    def produce(i, version, *_):
+        if i == 2:
+            raise ValueError("reward server gone")
+        return _batch(i, version)
+
+    q = queue.Queue(maxsize=1)
+    worker = loop.RolloutWorker(produce, store, q, 0, 1, stop, 0, 6, turns)
+    worker.start()
+    t0 = time.monotonic()
+    with pytest.raises(RuntimeError, match="rollout worker failed at step 2: reward server gone"):
+        for step in range(6):
+            turns.acquire(("L", step))
+            loop.next_batch(q, step, step, 1)
+            store.publish(step + 1, "w", "m", 0)
+            turns.release(("L", step))
+    assert time.monotonic() - t0 < 1.0
+    stop.set()
+    worker.join(timeout=5)
+
+
+def test_local_cluster_environment_replaces_the_device_count():
+    env = process_env(2, {"XLA_FLAGS": "--xla_force_host_platform_device_count=8 --xla_foo=1"})
+    assert env["XLA_FLAGS"].split() == ["--xla_foo=1", "--xla_force_host_platform_device_count=2"]
+    assert env["JAX_PLATFORMS"] == "cpu" and env["JAX_CPU_COLLECTIVES_IMPLEMENTATION"] == "gloo"
