@@ -137,8 +137,9 @@ def test_a_killed_process_stops_the_job_and_a_restart_resumes(runs, tmp_path):
     reader = threading.Thread(target=lambda: errs.extend(proc.stderr), daemon=True)
     reader.start()
     metrics = tmp_path / "rl/metrics.jsonl"
+    step1 = tmp_path / "rl/ckpt/1"  # orbax renames its tmp folder to this when finalized
     deadline = time.monotonic() + 600
-    while not (metrics.exists() and read_jsonl(metrics)):
+    while not (metrics.exists() and read_jsonl(metrics) and step1.is_dir()):
         assert proc.poll() is None and time.monotonic() < deadline, "".join(errs)[-3000:]
         time.sleep(0.05)
     os.kill(p1, signal.SIGKILL)

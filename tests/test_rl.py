@@ -315,7 +315,7 @@ def test_growmtp_target_is_the_behaviour_versions_distribution(tiny_cfg):
     store.publish(1, updated, mtp_params, 0)
     loss_name, steps = learner.mtp_objective(cfg)  # GrowMTP's loss: the `dca` entry
     assert (loss_name, steps) == ("dca", cfg.rollout.num_draft)
-    fn = mtp_loss(pol_gd, mtp_gd, loss_name, steps, cfg.mtp.chunk, 1.0)
+    fn = mtp_loss(pol_gd, mtp_gd, loss_name, steps, cfg.mtp.chunk, cfg.rollout.temperature)
     alpha1 = jax.jit(lambda mp, b, pp: fn(mp, b, None, pp)[1]["gated_alpha_1"])
     mb, behaviour = learner.growmtp_update_inputs(store, batch.data, batch.policy_version)
     got = float(alpha1(mtp_params, mb, behaviour))
@@ -323,7 +323,8 @@ def test_growmtp_target_is_the_behaviour_versions_distribution(tiny_cfg):
     assert abs(float(alpha1(mtp_params, mb, updated)) - got) > 1e-3
     # online / joint with dca: the same gate under the name the MTP loss reads (`cycle_len`);
     # the behaviour policy recomputes its hiddens: the same α_1 (1e-4)
-    online = mtp_loss(pol_gd, mtp_gd, "dca", cfg.rollout.num_draft, cfg.mtp.chunk, 1.0)
+    temp = cfg.rollout.temperature
+    online = mtp_loss(pol_gd, mtp_gd, "dca", cfg.rollout.num_draft, cfg.mtp.chunk, temp)
     ob, op = learner.online_update_inputs(batch.data, pol_params)
     got_online = jax.jit(lambda mp, b, pp: online(mp, b, None, pp)[1]["gated_alpha_1"])(
         mtp_params, ob, op
