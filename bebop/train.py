@@ -120,8 +120,8 @@ def accumulated_value_and_grad(loss_fn: Callable, num_chunks: int, chunk_weight:
             else zero(s)
             for k, s in aux_shape.items()
         }
-        init = (jnp.zeros((), jnp.float32), jnp.zeros((), jnp.float32), init_aux)
-        init = (*init, jax.tree.map(zero, shapes[1]))
+        # (total weight, weighted loss sum, aux, weighted gradient sum)
+        init = (jnp.zeros(()), jnp.zeros(()), init_aux, jax.tree.map(zero, shapes[1]))
 
         def body(acc, chunk):
             total_w, loss_sum, aux_sum, grad_sum = acc
