@@ -2,6 +2,7 @@
 
     python benchmarks/rollout.py --model demo --workdir runs/demo          # a finished demo run
     python benchmarks/rollout.py --model smollm2 [--mtp_ckpt runs/mtp_smollm2/mtp/ckpt]
+        [--config configs/rl_smollm2.py]   # the RL task's prompts (default: the MTP config's)
 
 Prompts: `--num_prompts` (default 16) held-out prompts of the RL task (`wordmath` for SmolLM2,
 arithmetic for the demo; `--prompts mixed` for chat requests), padded to one width; a batch of B
@@ -61,7 +62,7 @@ def load_models(args, mesh):
         return (pol_gd, pol_params), mtp, vocab, tok, ids, "trained (demo mtp stage)"
     from bebop import policies
 
-    cfg, _ = config_lib.load(str(REPO / "configs" / "mtp_smollm2.py"))
+    cfg, _ = config_lib.load(str(REPO / args.config))  # the task whose prompts are timed
     policy = policies.load(cfg, Path("."), mesh)
     pol_gd, pol_params, tok, pol_cfg = policy.graphdef, policy.params, policy.tok, policy.cfg
     mtp_gd, mtp_params = mtp_lib.init(pol_cfg, 1, seed=0)
@@ -98,6 +99,11 @@ def main():
     ap.add_argument("--model", choices=["demo", "smollm2"], default="demo")
     ap.add_argument("--workdir", default="runs/demo")
     ap.add_argument("--mtp_ckpt", default="")
+    ap.add_argument(
+        "--config",
+        default="configs/mtp_smollm2.py",
+        help="smollm2: the config whose task gives the prompts (configs/rl_smollm2.py: RL's)",
+    )
     ap.add_argument("--batches", default="1,8,32")
     ap.add_argument("--gammas", default="1,2,3,4")
     ap.add_argument("--temps", default="0.7,1.0")
