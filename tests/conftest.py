@@ -20,8 +20,15 @@ REPO = Path(__file__).resolve().parents[1]
 
 # One persistent compilation cache for the session: many tests build fresh closures over the same
 # tiny models, which compile to identical programs; the cache turns the repeats into loads.
-# Subprocesses (`launch.py` runs) inherit it through the environment.
-os.environ["JAX_COMPILATION_CACHE_DIR"] = tempfile.mkdtemp(prefix="bebop-tests-jax-cache-")
+# Subprocesses (`launch.py` runs) inherit it through the environment; pytest-xdist workers share
+# one per run (PYTEST_XDIST_TESTRUNUID is the same in every worker of a run).
+_RUN = os.environ.get("PYTEST_XDIST_TESTRUNUID")
+if _RUN:
+    _CACHE = Path(tempfile.gettempdir()) / f"bebop-tests-jax-cache-{_RUN}"
+    _CACHE.mkdir(exist_ok=True)
+    os.environ["JAX_COMPILATION_CACHE_DIR"] = str(_CACHE)
+else:
+    os.environ["JAX_COMPILATION_CACHE_DIR"] = tempfile.mkdtemp(prefix="bebop-tests-jax-cache-")
 jax.config.update("jax_compilation_cache_dir", os.environ["JAX_COMPILATION_CACHE_DIR"])
 jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.0)
 jax.config.update("jax_persistent_cache_min_entry_size_bytes", 0)

@@ -54,7 +54,7 @@ def test_accumulated_policy_step_equals_the_whole_batch_step(tiny_cfg, agg):
     np.testing.assert_allclose(float(m4["loss"]), float(m1["loss"]), rtol=1e-5, atol=1e-7)
     np.testing.assert_allclose(float(m4["grad_norm"]), float(m1["grad_norm"]), rtol=1e-5)
     for k in ("ratio_max", "ratio_min"):
-        assert float(m4[k]) == pytest.approx(float(m1[k]), rel=1e-6)
+        assert float(m4[k]) == pytest.approx(float(m1[k]), rel=1e-5)  # float32 rounding
     if agg == "token":  # token means are exact (sequence: row-weighted across chunks)
         for k in ("entropy", "clip_frac", "ratio_mean"):
             np.testing.assert_allclose(float(m4[k]), float(m1[k]), rtol=1e-5, atol=1e-7)
