@@ -71,7 +71,7 @@ MODELS = {
 }
 TEMPS = (0.3, 0.5, 0.7, 1.0, 1.3)
 GAMMA = 3
-# Bebop's accept-length-vs-entropy slope across RL steps: RS-CE -1.68, RS-TV -0.06 (METHOD §4).
+# Bebop's accept length vs entropy slope across RL steps (docs/method.md §3).
 PAPER_SLOPES = {"RS-CE": -1.68, "RS-TV": -0.06}
 
 
