@@ -581,7 +581,8 @@ def test_rl_without_the_mtp_stage_loads_the_trained_draft_or_names_the_missing_o
     pretrained, tmp_path
 ):
     """Re-running only the RL stage drafts with the `mtp` stage's checkpoint (not a random MTP);
-    with no checkpoint the error names `DIR/mtp/ckpt`; GrowMTP and plain rollouts start fresh."""
+    with no checkpoint the error names `DIR/mtp/ckpt`; GrowMTP starts fresh unless `mtp.init_from`
+    names a pre-trained head."""
     cfg = _rl_cfg("stages=('rl',)")
     mesh = _mesh()
     policy = policies.load(cfg, pretrained, mesh)
@@ -607,4 +608,15 @@ def test_rl_without_the_mtp_stage_loads_the_trained_draft_or_names_the_missing_o
     with pytest.raises(FileNotFoundError, match=r"'mtp.init_from': .*none holds no checkpoint"):
         rl_stage.load_draft_model(missing, tmp_path, policy, mesh)
     grow = _rl_cfg("stages=('rl',)", "rl.mtp_strategy='growmtp'")
-    assert rl_stage.load_draft_model(grow, tmp_path, policy, mesh)[2] is None
+    _, got_grow, _ = rl_stage.load_draft_model(grow, pretrained, policy, mesh)
+    for a, b in zip(jax.tree.leaves(got_grow), jax.tree.leaves(fresh), strict=True):
+        np.testing.assert_array_equal(a, b)
+    # GrowMTP's updates from a pre-trained head (`mtp.init_from`) start from its weights
+    grow_pre = _rl_cfg(
+        "stages=('rl',)",
+        "rl.mtp_strategy='growmtp'",
+        f"mtp.init_from='{pretrained / 'mtp' / 'ckpt'}'",
+    )
+    _, got_grow_pre, _ = rl_stage.load_draft_model(grow_pre, tmp_path, policy, mesh)
+    for a, b in zip(jax.tree.leaves(got_grow_pre), jax.tree.leaves(want), strict=True):
+        np.testing.assert_array_equal(a, b)

@@ -48,14 +48,16 @@ log = logging.getLogger(__name__)
 
 def load_draft_model(cfg: RunConfig, workdir: Path, policy, mesh):
     """(graphdef, params, draft vocabulary) of the MTP the rollouts draft with: a fresh one for
-    GrowMTP (or plain rollouts, which never draft), else the `mtp` stage's trained MTP in
+    plain rollouts (which never draft) and for GrowMTP without `mtp.init_from` (grown from
+    random init; with it, GrowMTP's updates start from that pre-trained head), else the `mtp`
+    stage's trained MTP in
     `DIR/mtp/ckpt` -- whether or not this launch lists that stage --, else (no `mtp` stage in
     this workdir) another run's trained MTP named by `mtp.init_from` (e.g.
     `runs/mtp_smollm2/mtp/ckpt`: one pre-RL MTP for several RL runs; its draft vocabulary next
     to it), else the MTP layers the policy checkpoint ships if `mtp.init='checkpoint'`, or an
     error naming the missing one."""
     ckpt_dir = Path(workdir) / "mtp" / "ckpt"
-    if cfg.rl.mtp_strategy == "growmtp" or cfg.rollout.mode == "plain":
+    if cfg.rollout.mode == "plain" or (cfg.rl.mtp_strategy == "growmtp" and not cfg.mtp.init_from):
         return (*policies.init_mtp(cfg, policy, mesh), None)
     has_ckpt = lambda d: d.is_dir() and any(p.name.isdigit() for p in d.iterdir())  # noqa: E731
     if not has_ckpt(ckpt_dir) and cfg.mtp.init_from and "mtp" not in cfg.stages:
