@@ -20,6 +20,10 @@ from configs.common import base
 def get_config(arg=None):
     a = parse_arg(arg, runlocal=False, loss="e2e_tv", init="last_layer")
     c = base(model={}, policy=dict(source="gguf", path=""), stages=("distill", "mtp"))
+    # The RL task of `configs/rl_smollm2.py` (1-digit word problems at T = 0.7): the MTP is
+    # distilled from what RL will sample.
+    c.task.digits = 1
+    c.rollout.update(temperature=0.7, max_new_tokens=96)
     c.distill.update(num_samples=1536, batch_size=64, prompts="task", mixed_fraction=0.25)
     # 3 trained steps (rollouts draft γ = 3; Bebop trains 5): 40 % cheaper steps on a CPU.
     c.mtp.update(

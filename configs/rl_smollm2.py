@@ -21,8 +21,6 @@ def get_config(arg=None):
     a = parse_arg(arg, runlocal=False)
     c = mtp_smollm2.get_config("runlocal" if a.runlocal else None)
     c.stages = ("distill", "mtp", "rl")
-    c.task.digits = 1
-    c.rollout.update(temperature=0.7, max_new_tokens=96)
     c.rl.update(
         steps=40, prompts_per_step=4, group_size=8, eval_samples=64, eval_every=10, microbatch=8
     )
