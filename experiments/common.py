@@ -1,0 +1,175 @@
+"""What the study scripts share: `launch.py` runs as subprocesses, hard-linked stage copies, and
+RL arms that start from one finished base run (its SFT policy and pre-RL MTP), so that arms
+differ only in what their overrides say.
+
+An arm lives in `<root>/<name>/` and is reused once its `rl/summary.json` exists (delete the
+directory to redo it); study scripts that name the same arm share one run.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+import shutil
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import numpy as np
+
+REPO = Path(__file__).resolve().parents[1]
+if str(REPO) not in sys.path:
+    sys.path.insert(0, str(REPO))
+
+from bebop import plots  # noqa: E402
+
+
+def launch(config: str, workdir: Path, overrides=()) -> dict:
+    """Runs `launch.py --config config --workdir workdir --config.<o>...`; returns its final JSON
+    line. A failed run raises with the command and the tail of its stderr."""
+    cmd = [sys.executable, "launch.py", "--config", config, "--workdir", str(workdir)]
+    cmd += [f"--config.{o}" for o in overrides]
+    out = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True)
+    if out.returncode:
+        raise RuntimeError(f"{' '.join(cmd)} failed (exit {out.returncode}):\n{out.stderr[-3000:]}")
+    return json.loads(out.stdout.strip().splitlines()[-1])
+
+
+def link_tree(src: Path, dst: Path) -> None:
+    """Hard-linked copy of a finished stage directory (no extra disk)."""
+    if not dst.exists():
+        shutil.copytree(src, dst, copy_function=os.link)
+
+
+def base_run(workdir: Path, config: str = "configs/demo.py") -> Path:
+    """A run of `config` whose `sft` and `mtp` stages are finished: `workdir` as it is if so
+    (e.g. the demo's `runs/demo`), else those stages are trained there first."""
+    workdir = Path(workdir).absolute()
+    if not (workdir / "mtp" / "summary.json").exists():
+        print(f"training the base run (sft, distill, mtp) in {workdir}", flush=True)
+        launch(config, workdir, ["stages=('sft','distill','mtp')"])
+    return workdir
+
+
+@dataclasses.dataclass(frozen=True)
+class Arm:
+    """One RL run of a study: `overrides` on top of the base config; `pretrained`: rollouts
+    draft with (and MTP updates start from) the base run's pre-RL MTP; else GrowMTP grows a head
+    from random init (plain rollouts never draft)."""
+
+    name: str
+    label: str
+    overrides: tuple[str, ...] = ()
+    pretrained: bool = True
+
+
+@dataclasses.dataclass
+class ArmResult:
+    arm: Arm
+    summary: dict
+    records: list[dict]
+    wall_s: float | None  # this launch's wall time (None: a finished arm reused)
+
+    def series(self, key: str):
+        return plots.series(self.records, key)
+
+
+def run_arm(
+    arm: Arm, base: Path, root: Path, config: str = "configs/demo.py", extra=()
+) -> ArmResult:
+    """The RL stage of `config` from `base`'s SFT policy with `arm`'s overrides (and `extra`,
+    the study's common ones), in `root/arm.name`; a finished one is reused."""
+    wd = Path(root).absolute() / arm.name
+    done = wd / "rl" / "summary.json"
+    wall = None
+    if not done.exists():
+        shutil.rmtree(wd, ignore_errors=True)
+        wd.mkdir(parents=True)
+        link_tree(base / "sft", wd / "sft")
+        init = [f"mtp.init_from={str(base / 'mtp' / 'ckpt')!r}"] if arm.pretrained else []
+        t0 = time.perf_counter()
+        launch(config, wd, ["stages=('rl',)", *init, *extra, *arm.overrides])
+        wall = time.perf_counter() - t0
+        print(f"  {arm.name}: {wall:.0f} s", flush=True)
+    summary = json.loads(done.read_text())
+    return ArmResult(arm, summary, plots.read_metrics(wd / "rl" / "metrics.jsonl"), wall)
+
+
+def running_mean(y, width: int) -> np.ndarray:
+    """Mean of the last `width` values at each point (fewer at the start)."""
+    y = np.asarray(y, np.float64)
+    c = np.cumsum(np.insert(y, 0, 0.0))
+    lo = np.maximum(np.arange(1, y.size + 1) - width, 0)
+    return (c[1:] - c[lo]) / (np.arange(1, y.size + 1) - lo)
+
+
+def window_mean(res: ArmResult, key: str, first: bool, n: int = 10) -> float:
+    """Mean of `key` over the first (or last) `n` steps that record it."""
+    _, y = res.series(key)
+    if y.size == 0:
+        raise KeyError(f"{res.arm.name}: no step records {key!r}")
+    return float(np.mean(y[:n] if first else y[-n:]))
+
+
+def step_times(res: ArmResult) -> tuple[np.ndarray, np.ndarray]:
+    """(step, seconds since the previous step's record) for steps 2.., i.e. without the first
+    step, which also compiles."""
+    step, t = res.series("time")
+    return step[1:], np.diff(t)
+
+
+def write_json(path: Path, obj) -> None:
+    Path(path).write_text(json.dumps(obj, indent=1) + "\n")
+
+
+# ------------------------------------------------------------------ study 2: MTP during RL
+# The arms of `experiments/{mtp_in_rl,growmtp,e2e_speedup}`: one demo RL run (configs/demo.py's
+# RL stage: 120 GRPO steps of 16 prompts x 8 samples, T = 0.7, γ = 2) from one base run, varying
+# only how rollouts are drafted and verified and what updates the MTP. An arm named in two
+# studies that share a root runs once. Acceptance is measured in `runs/exp_mtp_in_rl`; the arms
+# whose wall times are compared (growmtp, e2e_speedup) share `runs/exp_rl_speed`, measured one
+# after the other with nothing else running.
+STUDY2_ROOT = "runs/exp_mtp_in_rl"
+TIMED_ROOT = "runs/exp_rl_speed"
+STUDY2_EXTRA = ("rl.eval_every=0",)
+STUDY2_ARMS = {
+    a.name: a
+    for a in (
+        Arm("plain", "plain rollouts (no speculation)", ("rollout.mode='plain'",), False),
+        Arm("frozen_rs", "frozen e2e-TV MTP, RS (Bebop)", ("rl.mtp_strategy='frozen'",)),
+        Arm(
+            "online_ce",
+            "e2e-TV MTP + online CE, RS",
+            ("rl.mtp_strategy='online'", "rl.mtp_loss='ce'"),
+        ),
+        Arm(
+            "online_tv",
+            "e2e-TV MTP + online e2e TV, RS",
+            ("rl.mtp_strategy='online'", "rl.mtp_loss='e2e_tv'"),
+        ),
+        Arm(
+            "to_online_ce",
+            "e2e-TV MTP + online CE, TO",
+            ("rollout.mode='target_only'", "rl.mtp_strategy='online'", "rl.mtp_loss='ce'"),
+        ),
+        Arm("grow_scratch", "GrowMTP from random init, RS", ("rl.mtp_strategy='growmtp'",), False),
+        Arm(
+            "grow_pretrained",
+            "pre-trained MTP + GrowMTP updates, RS",
+            ("rl.mtp_strategy='growmtp'",),
+        ),
+        Arm(
+            "plain_sync",
+            "plain, synchronous",
+            ("rollout.mode='plain'", "rl.max_staleness=0"),
+            False,
+        ),
+        Arm("frozen_rs_sync", "frozen MTP, RS, synchronous", ("rl.max_staleness=0",)),
+    )
+}
+
+
+def study2_arms(names, base: Path, root: Path) -> dict[str, ArmResult]:
+    return {n: run_arm(STUDY2_ARMS[n], base, root, extra=STUDY2_EXTRA) for n in names}

@@ -1,0 +1,152 @@
+"""Bebop finding 4: does a frozen MTP keep its acceptance through RL, and what do online updates
+do to it?
+
+One demo RL run (the demo's GRPO stage from one SFT policy and one pre-RL e2e-TV MTP, same seed
+and prompts) with four MTP strategies: frozen with rejection sampling (RS, Bebop's recipe),
+online CE updates with RS, online e2e-TV updates with RS, online CE with target-only verification
+(TO). Per RL step: accept length, per-position acceptance, the policy's entropy on the emitted
+tokens. The change of acceptance from the first to the last 10 steps is split into the part the
+entropy change explains -- study 1's per-token fit of acceptance on entropy
+(`experiments/entropy_acceptance/results_demo.json`: the RS-TV slope for RS arms, TO-CE for TO)
+times the entropy change -- and the rest (Bebop §5.1).
+
+    python experiments/mtp_in_rl/run.py --base runs/demo
+
+`--base` is a finished demo run (its `sft` and `mtp` stages; trained there if absent). Arms land
+in `runs/exp_mtp_in_rl/<arm>/` and are reused when finished (shared with
+`experiments/growmtp` and `experiments/e2e_speedup`). Figures and `results.json` land next to
+this file. Last line: one JSON object.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
+
+from bebop import plots  # noqa: E402
+from experiments import common  # noqa: E402
+
+HERE = Path(__file__).resolve().parent
+ARMS = ("frozen_rs", "online_ce", "online_tv", "to_online_ce")
+STUDY1 = HERE.parent / "entropy_acceptance" / "results_demo.json"
+
+
+def entropy_slope(arm: common.Arm, study1: dict) -> tuple[str, float]:
+    """(study 1 fit used, acceptance per nat) for the arm's verification rule."""
+    fit = "TO-CE" if "rollout.mode='target_only'" in arm.overrides else "RS-TV"
+    return fit, float(study1["drafts"][fit]["slope"])
+
+
+def decompose(res: common.ArmResult, study1: dict, n: int = 10) -> dict:
+    """Acceptance and entropy over the first and last `n` steps; the acceptance change split into
+    slope x entropy change (explained by the policy's entropy) and the rest."""
+    fit, slope = entropy_slope(res.arm, study1)
+    a0, a1 = (common.window_mean(res, "accept_rate", f, n) for f in (True, False))
+    h0, h1 = (common.window_mean(res, "rollout_entropy", f, n) for f in (True, False))
+    explained = slope * (h1 - h0)
+    row = {
+        "label": res.arm.label,
+        "accept_rate_first": a0,
+        "accept_rate_last": a1,
+        "accept_len_first": common.window_mean(res, "accept_len", True, n),
+        "accept_len_last": common.window_mean(res, "accept_len", False, n),
+        "entropy_first": h0,
+        "entropy_last": h1,
+        "delta_accept_rate": a1 - a0,
+        "explained_by_entropy": explained,
+        "rest": (a1 - a0) - explained,
+        "study1_fit": fit,
+        "study1_slope": slope,
+        "reward_first": common.window_mean(res, "reward_mean", True, n),
+        "reward_last": common.window_mean(res, "reward_mean", False, n),
+        "accuracy_before": res.summary["accuracy_before"],
+        "accuracy_after": res.summary["accuracy_after"],
+    }
+    for k in (1, 2):
+        row[f"accept_rate_{k}_first"] = common.window_mean(res, f"accept_rate_{k}", True, n)
+        row[f"accept_rate_{k}_last"] = common.window_mean(res, f"accept_rate_{k}", False, n)
+    return row
+
+
+def figures(results: dict[str, common.ArmResult], window: int) -> None:
+    smooth = lambda r, key: (r.series(key)[0], common.running_mean(r.series(key)[1], window))  # noqa: E731
+    setting = f"demo GRPO, T = 0.7, γ = 2, 128 rows/step; running mean of {window} steps"
+    plots.lines(
+        HERE / "accept_len.png",
+        {r.arm.label: smooth(r, "accept_len") for r in results.values()},
+        "RL step",
+        "accept length (tokens per verify)",
+        f"accept length during RL ({setting})",
+        size=(7, 4.5),
+    )
+    plots.lines(
+        HERE / "per_position.png",
+        {
+            f"{r.arm.name} pos {k}": smooth(r, f"accept_rate_{k}")
+            for r in results.values()
+            for k in (1, 2)
+        },
+        "RL step",
+        "acceptance at draft position k",
+        f"per-position acceptance during RL ({setting})",
+        size=(7, 4.5),
+    )
+    plots.lines(
+        HERE / "entropy.png",
+        {r.arm.label: smooth(r, "rollout_entropy") for r in results.values()},
+        "RL step",
+        "policy entropy of emitted tokens (nats)",
+        f"policy entropy during RL ({setting})",
+        size=(7, 4.5),
+    )
+
+
+def table(rows: dict) -> str:
+    lines = [
+        "| arm | accept len first → last 10 steps | acceptance first → last | Δ acceptance | "
+        "explained by entropy | rest | entropy first → last (nats) |",
+        "|---|---|---|---|---|---|---|",
+    ]
+    for r in rows.values():
+        lines.append(
+            f"| {r['label']} | {r['accept_len_first']:.2f} → {r['accept_len_last']:.2f} | "
+            f"{r['accept_rate_first']:.3f} → {r['accept_rate_last']:.3f} | "
+            f"{r['delta_accept_rate']:+.3f} | {r['explained_by_entropy']:+.3f} | "
+            f"{r['rest']:+.3f} | {r['entropy_first']:.3f} → {r['entropy_last']:.3f} |"
+        )
+    return "\n".join(lines)
+
+
+def main():
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--base", default="runs/demo", help="a finished demo run (sft + mtp)")
+    ap.add_argument("--workdir", default=common.STUDY2_ROOT)
+    ap.add_argument("--window", type=int, default=10, help="steps per window / running mean")
+    args = ap.parse_args()
+    t0 = time.perf_counter()
+    base = common.base_run(Path(args.base))
+    results = common.study2_arms(ARMS, base, Path(args.workdir))
+    study1 = json.loads(STUDY1.read_text())
+    rows = {n: decompose(r, study1, args.window) for n, r in results.items()}
+    figures(results, args.window)
+    print(table(rows), flush=True)
+    out = {
+        "study": "mtp_in_rl",
+        "model": "demo",
+        "base": str(base),
+        "window_steps": args.window,
+        "arms": rows,
+        "arm_wall_s": {n: r.wall_s for n, r in results.items()},
+        "wall_s": time.perf_counter() - t0,
+    }
+    common.write_json(HERE / "results.json", out)
+    print(json.dumps(out))
+
+
+if __name__ == "__main__":
+    main()
