@@ -102,3 +102,46 @@ def test_series_reads_metrics_records_with_the_key(tmp_path):
     path.write_text('{"step": 1}\n{"ste')
     with pytest.raises(ValueError, match="metrics.jsonl:2"):
         plots.read_metrics(path)
+
+
+def test_study2_helpers_pay_from_the_last_crossing_and_split_acceptance_by_entropy():
+    """GrowMTP's "starts paying" is the first step after the last one slower than plain (never if
+    the last step is); mtp_in_rl's decomposition puts an acceptance change that the entropy
+    change predicts exactly under "explained" and nothing under "rest"."""
+    from experiments import common
+    from experiments.growmtp.run import pays_from
+    from experiments.mtp_in_rl.run import decompose
+
+    steps = np.arange(1, 7)
+    assert pays_from(steps, [1.3, 1.1, 0.9, 1.05, 0.95, 0.9]) == 5
+    assert pays_from(steps, [0.9] * 6) == 1
+    assert pays_from(steps, [0.9, 0.9, 0.9, 0.9, 0.9, 1.01]) is None
+    np.testing.assert_allclose(common.running_mean([1, 2, 3, 4], 2), [1, 1.5, 2.5, 3.5])
+
+    slope = -0.25  # acceptance per nat, the study-1 fit the arm uses (RS-TV for an RS arm)
+    study1 = {"drafts": {"RS-TV": {"slope": slope}, "TO-CE": {"slope": -0.5}}}
+    entropy = np.linspace(0.1, 0.5, 40)
+    drift = np.linspace(0.0, -0.02, 40)  # what the entropy does not explain
+    records = [
+        {
+            "step": i + 1,
+            "accept_rate": 0.9 + slope * (h - 0.1) + d,
+            "accept_len": 2.5,
+            "accept_rate_1": 0.9,
+            "accept_rate_2": 0.9,
+            "rollout_entropy": h,
+            "reward_mean": 0.5,
+        }
+        for i, (h, d) in enumerate(zip(entropy, drift, strict=True))
+    ]
+    arm = common.STUDY2_ARMS["frozen_rs"]
+    res = common.ArmResult(arm, {"accuracy_before": 0.4, "accuracy_after": 0.5}, records, None)
+    row = decompose(res, study1, n=10)
+    dh = entropy[-10:].mean() - entropy[:10].mean()
+    assert row["study1_fit"] == "RS-TV"
+    assert row["explained_by_entropy"] == pytest.approx(slope * dh)
+    assert row["rest"] == pytest.approx(drift[-10:].mean() - drift[:10].mean())
+    to_arm = common.STUDY2_ARMS["to_online_ce"]
+    assert decompose(common.ArmResult(to_arm, res.summary, records, None), study1)[
+        "study1_fit"
+    ] == ("TO-CE")

@@ -24,9 +24,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
-import shutil
-import subprocess
 import sys
 import time
 from pathlib import Path
@@ -48,6 +45,7 @@ from bebop import (  # noqa: E402
     speculative,  # noqa: E402
 )
 from bebop import config as config_lib  # noqa: E402
+from experiments.common import launch, link_tree  # noqa: E402
 
 HERE = Path(__file__).resolve().parent
 MODELS = {
@@ -83,20 +81,6 @@ TEMPS = (0.3, 0.5, 0.7, 1.0, 1.3)
 GAMMA = 3
 # Bebop's accept length vs entropy slope across RL steps (docs/method.md §3).
 PAPER_SLOPES = {"RS-CE": -1.68, "RS-TV": -0.06}
-
-
-def launch(config: str, workdir: Path, overrides) -> None:
-    cmd = [sys.executable, "launch.py", "--config", config, "--workdir", str(workdir)]
-    cmd += [f"--config.{o}" for o in overrides]
-    out = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True)
-    if out.returncode:
-        raise RuntimeError(f"{' '.join(cmd)} failed:\n{out.stderr[-3000:]}")
-
-
-def link_tree(src: Path, dst: Path) -> None:
-    """Hard-linked copy of a finished stage directory (no extra disk)."""
-    if not dst.exists():
-        shutil.copytree(src, dst, copy_function=os.link)
 
 
 def train_mtps(args, spec: dict, root: Path) -> dict:

@@ -22,12 +22,15 @@ from __future__ import annotations
 import argparse
 import json
 import shutil
-import subprocess
 import sys
 import time
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[2]
+sys.path.insert(0, str(REPO))
+
+from experiments.common import launch  # noqa: E402
+
 LOSSES = ("ce", "kl", "reverse_kl", "tv", "e2e_tv")
 # Bebop Table 2: RS acceptance gain over CE, in points, over five benchmarks (docs/method.md §7).
 PAPER_DELTA = {
@@ -54,22 +57,6 @@ MODELS = {
         extra=(),
     ),
 }
-
-
-def launch(config: str, workdir: Path, overrides) -> dict:
-    cmd = [
-        sys.executable,
-        "launch.py",
-        "--config",
-        config,
-        "--workdir",
-        str(workdir),
-        *[f"--config.{o}" for o in overrides],
-    ]
-    out = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True)
-    if out.returncode:
-        raise RuntimeError(f"{' '.join(cmd)} failed:\n{out.stderr[-3000:]}")
-    return json.loads(out.stdout.strip().splitlines()[-1])
 
 
 def row(after: dict) -> dict:

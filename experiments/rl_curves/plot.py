@@ -21,15 +21,9 @@ REPO = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(REPO))
 
 from bebop import plots  # noqa: E402
+from experiments.common import running_mean  # noqa: E402
 
 HERE = Path(__file__).resolve().parent
-
-
-def running_mean(y: np.ndarray, width: int) -> np.ndarray:
-    """Mean of the last `width` values at each point (fewer at the start)."""
-    c = np.cumsum(np.insert(y, 0, 0.0))
-    lo = np.maximum(np.arange(1, y.size + 1) - width, 0)
-    return (c[1:] - c[lo]) / (np.arange(1, y.size + 1) - lo)
 
 
 def main():
