@@ -64,6 +64,14 @@ class Arm:
     overrides: tuple[str, ...] = ()
     pretrained: bool = True
 
+    @property
+    def rule(self) -> str:
+        """The arm's `rollout.mode` (the demo's default: rejection)."""
+        for o in self.overrides:
+            if o.startswith("rollout.mode="):
+                return o.partition("=")[2].strip("'\"")
+        return "rejection"
+
 
 @dataclasses.dataclass
 class ArmResult:

@@ -49,8 +49,8 @@ log = logging.getLogger(__name__)
 def load_draft_model(cfg: RunConfig, workdir: Path, policy, mesh):
     """(graphdef, params, draft vocabulary) of the MTP the rollouts draft with: a fresh one for
     plain rollouts (which never draft) and for GrowMTP without `mtp.init_from` (grown from
-    random init; with it, GrowMTP's updates start from that pre-trained head), else the `mtp`
-    stage's trained MTP in
+    random init; with it, GrowMTP's updates start from a pre-trained head found as below), else
+    the `mtp` stage's trained MTP in
     `DIR/mtp/ckpt` -- whether or not this launch lists that stage --, else (no `mtp` stage in
     this workdir) another run's trained MTP named by `mtp.init_from` (e.g.
     `runs/mtp_smollm2/mtp/ckpt`: one pre-RL MTP for several RL runs; its draft vocabulary next

@@ -4,16 +4,18 @@ The demo RL run (the demo's GRPO stage from one SFT policy and one pre-RL e2e-TV
 and prompts, 120 steps of 16 prompts x 8 samples, T = 0.7, γ = 2) four ways, one after the other
 in one sitting: plain rollouts and frozen-MTP speculative rollouts (rejection sampling), each
 synchronous (every batch from the current policy) and asynchronous (staleness 1: the next batch
-is sampled while the learner updates). Figures: rollout time, step time and RL time without the
-first step (which compiles) and their ratios; reward vs step and vs wall-clock on one figure.
+is sampled while the learner updates). Printed and in `results.json`: rollout time, step time
+and RL time without the first step (which compiles) and their ratios; figure: reward vs step and
+vs wall-clock (`reward.png`).
 
 Then the cost model: per verify cycle the policy's (γ+1)-token forward and γ MTP draft steps,
 timed on this machine at the RL batch (`spec_compacted.loop_costs`), give the rollout speedup
 expected_tokens(α, γ) · t_step / (t_verify + γ · t_draft) for the acceptance α the run measured
--- and, labelled as a projection, the same with a GPU's memory-bound costs: a (γ+1)-token verify
-costs one decode step (it reads the same weights) and a draft step costs the MTP's share of the
-bytes a decode step reads (its parameters / the policy's). The projected end-to-end figure puts
-that rollout speedup into the synchronous plain run's measured split of step time (Amdahl).
+-- and, labelled as a projection, the same with an H100's roofline costs: a forward over N
+tokens costs max(1, N / 295) reads of the weights (bandwidth-bound below the ridge point), so the
+(γ+1)-token verify of 128 rows costs 384 / 295 = 1.3 steps and a draft step the MTP's share of the
+bytes a decode step reads. The projected end-to-end figure puts that rollout speedup into the
+synchronous plain run's measured split of step time (Amdahl).
 
     python experiments/e2e_speedup/run.py --base runs/demo
 
@@ -74,7 +76,7 @@ def timing(res: common.ArmResult) -> dict:
 
 
 def ratios(t: dict) -> dict:
-    """Plain time / speculative time (> 1: speculation is faster)."""
+    """Speedups: the first arm's time / the second's (> 1: the second is faster)."""
     pairs = {
         "sync": ("plain_sync", "frozen_rs_sync"),
         "async": ("plain", "frozen_rs"),
@@ -89,9 +91,23 @@ def ratios(t: dict) -> dict:
     return out
 
 
+# The GPU of the projection: H100 SXM, dense bf16 989 TFLOP/s and 3.35 TB/s of HBM (NVIDIA's
+# data sheet): a forward over N tokens per read of bf16 weights does ~2N FLOP per 2 bytes, so it
+# is bandwidth-bound up to N ≈ RIDGE tokens and costs ∝ max(1, N / RIDGE) weight reads.
+GPU = {"name": "H100 SXM", "bf16_flops": 989e12, "hbm_bytes_s": 3.35e12}
+RIDGE = GPU["bf16_flops"] / GPU["hbm_bytes_s"]
+
+
+def weight_reads(tokens: int) -> float:
+    """Cost of one forward over `tokens` tokens, in units of one bandwidth-bound weight read."""
+    return max(1.0, tokens / RIDGE)
+
+
 def cost_model(base: Path, frozen: common.ArmResult, plain_sync: dict, gamma: int) -> dict:
     """Measured loop costs at the RL batch, the CPU model's rollout speedup, and the GPU
-    projection (see the module docstring)."""
+    projection (see the module docstring). Tokens per verify: the run's measured accept length
+    (the geometric formula over the per-position acceptance is a cross-check: it ignores cycles
+    cut at EOS or the budget)."""
     cfg = config_lib.from_dict(config_lib.RunConfig, json.loads((base / "config.json").read_text()))
     mesh = sharding.make_mesh(config_lib.MeshConfig(data=1), jax.devices()[:1])
     pol = policies.load(cfg, base, mesh)
@@ -111,33 +127,54 @@ def cost_model(base: Path, frozen: common.ArmResult, plain_sync: dict, gamma: in
         width + cfg.rollout.max_new_tokens // 2,
         [gamma],
     )
-    alpha = [common.window_mean(frozen, f"accept_rate_{k}", True, 120) for k in range(1, gamma + 1)]
-    tokens = compaction.expected_tokens(alpha, gamma)
+    _, alen = frozen.series("accept_len")
+    tokens = float(alen.mean())
+    alpha = [float(frozen.series(f"accept_rate_{k}")[1].mean()) for k in range(1, gamma + 1)]
     c_verify = costs[f"verify_{gamma + 1}"] / costs["verify_1"]
     c_draft = costs["draft"] / costs["verify_1"]
+    # Bytes a decode step reads: every policy weight except the input embedding table (a lookup
+    # of B rows) unless it is tied to the head; a draft step: one MTP layer plus the head over
+    # the draft vocabulary.
+    m, d = cfg.model, cfg.model.dim
     n_pol = sum(x.size for x in jax.tree.leaves(pol.params))
+    step_bytes = n_pol - (0 if m.tie_embeddings else m.vocab_size * d)
     n_mtp = sum(x.size for x in jax.tree.leaves(mtp[1]))
-    head = cfg.model.vocab_size * cfg.model.dim  # the MTP drafts through the policy's head
-    gpu_draft = (n_mtp + head) / n_pol
+    head = (m.vocab_size if vocab is None else int(vocab.size)) * d
+    draft_bytes = n_mtp / cfg.mtp.num_layers + head
+    gpu_verify = weight_reads(batch * (gamma + 1)) / weight_reads(batch)
+    gpu_draft = draft_bytes / step_bytes * weight_reads(batch)
     cpu_rollout = tokens / (c_verify + gamma * c_draft)
-    gpu_rollout = tokens / (1.0 + gamma * gpu_draft)
+    gpu_rollout = tokens / (gpu_verify + gamma * gpu_draft)
     share = plain_sync["rollout_s"] / plain_sync["rl_s_after_step_1"]
     return {
         "batch": batch,
         "gamma": gamma,
+        "accept_len": tokens,
         "alpha_per_position": alpha,
-        "expected_tokens_per_verify": tokens,
+        "expected_tokens_from_alpha": compaction.expected_tokens(alpha, gamma),
         "cpu_costs_s": costs,
         "cpu_verify_over_step": c_verify,
         "cpu_draft_over_step": c_draft,
         "cpu_model_rollout_speedup": cpu_rollout,
-        "policy_params": n_pol,
-        "mtp_params_with_head": n_mtp + head,
-        "gpu_assumed_verify_over_step": 1.0,
-        "gpu_assumed_draft_over_step": gpu_draft,
-        "gpu_projected_rollout_speedup": gpu_rollout,
-        "plain_sync_rollout_share": share,
-        "gpu_projected_e2e_speedup_sync": 1.0 / ((1 - share) + share / gpu_rollout),
+        "projection": {
+            "label": "projection, not a measurement",
+            "gpu": GPU,
+            "ridge_tokens": RIDGE,
+            "assumptions": (
+                f"every forward reads the weights once in bf16 and costs max(1, tokens / "
+                f"{RIDGE:.0f}) weight reads ({GPU['name']} peak bf16 FLOP/s over HBM bytes/s); "
+                "a draft step reads one MTP layer and the head; KV-cache traffic, kernel-launch "
+                "overhead (which would dominate a model this small) and sampling are ignored; the "
+                "rollout share of step time is this CPU run's (plain, synchronous)"
+            ),
+            "step_weight_bytes_params": step_bytes,
+            "draft_weight_bytes_params": draft_bytes,
+            "verify_over_step": gpu_verify,
+            "draft_over_step": gpu_draft,
+            "rollout_speedup": gpu_rollout,
+            "rollout_share_of_step": share,
+            "e2e_speedup_sync": 1.0 / ((1 - share) + share / gpu_rollout),
+        },
     }
 
 
@@ -166,6 +203,8 @@ def main():
     base = common.base_run(Path(args.base))
     results = common.study2_arms(ARMS, base, Path(args.workdir))
     times = {n: timing(r) for n, r in results.items()}
+    for n, r in results.items():  # one sitting: when each arm ran
+        times[n]["started"] = r.records[0]["time"]
     rat = ratios(times)
     figures(results, args.window)
     gamma = config_lib.from_dict(
@@ -180,13 +219,14 @@ def main():
         )
     for n, r in rat.items():
         print(f"speedup {n:28s} " + "  ".join(f"{k} {v:.2f}x" for k, v in r.items()), flush=True)
+    proj = model_["projection"]
     print(
-        f"cost model at {model_['batch']} rows: verify {model_['cpu_verify_over_step']:.2f}x, "
-        f"draft {model_['cpu_draft_over_step']:.2f}x a decode step -> rollouts "
-        f"{model_['cpu_model_rollout_speedup']:.2f}x; GPU projection (verify 1.0x, draft "
-        f"{model_['gpu_assumed_draft_over_step']:.2f}x): rollouts "
-        f"{model_['gpu_projected_rollout_speedup']:.2f}x, end to end "
-        f"{model_['gpu_projected_e2e_speedup_sync']:.2f}x",
+        f"cost model at {model_['batch']} rows, accept length {model_['accept_len']:.2f}: this "
+        f"CPU verify {model_['cpu_verify_over_step']:.2f}x, draft "
+        f"{model_['cpu_draft_over_step']:.2f}x a decode step -> rollouts "
+        f"{model_['cpu_model_rollout_speedup']:.2f}x; projection for {GPU['name']} (verify "
+        f"{proj['verify_over_step']:.2f}x, draft {proj['draft_over_step']:.2f}x): rollouts "
+        f"{proj['rollout_speedup']:.2f}x, end to end {proj['e2e_speedup_sync']:.2f}x",
         flush=True,
     )
     out = {

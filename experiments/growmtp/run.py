@@ -4,9 +4,10 @@ already computes (DCA loss on the recorded target distributions, detached from t
 The demo RL run (the demo's GRPO stage from one SFT policy, same seed and prompts) four ways:
 plain rollouts (no speculation), GrowMTP from random init, Bebop's pre-trained e2e-TV MTP frozen,
 and the pre-trained MTP with GrowMTP updates. Per RL step: accept length, and the rollout's wall
-time next to the plain run's at the same step (running means); the step from which GrowMTP's
-rollouts stay at most as slow as plain ones ("starts paying", or never); the final rollout
-speedup (the RL stage's timed plain-vs-speculative rollouts of its final weights).
+time and the whole step's (rollout, learner update, and GrowMTP's head update) next to the plain
+run's at the same step, as running means without step 1 (which compiles); the step from which
+each stays at most as slow as plain ("starts paying", or never); the final rollout speedup (the
+RL stage's timed plain-vs-speculative rollouts of its final weights).
 
     python experiments/growmtp/run.py --base runs/demo
 
@@ -44,12 +45,32 @@ def pays_from(step, ratio) -> int | None:
     return int(step[last + 1]) if last + 1 < len(step) else None
 
 
-def row(res: common.ArmResult, plain: common.ArmResult, window: int) -> dict:
-    step, t = res.series("rollout_s")
-    pstep, pt = plain.series("rollout_s")
+def ratio_vs_plain(step, t, pstep, pt, window: int) -> dict:
+    """Speculative / plain seconds per step (series that start at step 2: step 1 compiles a
+    different program in each arm): first and last `window` steps, all steps, and the step from
+    which the running-mean ratio stays <= 1."""
     if not np.array_equal(step, pstep):
-        raise ValueError(f"{res.arm.name} and plain record rollout_s at different steps")
+        raise ValueError("the arm and the plain run record different steps")
     ratio = common.running_mean(t, window) / common.running_mean(pt, window)
+    return {
+        "first": float(t[:window].sum() / pt[:window].sum()),
+        "last": float(t[-window:].sum() / pt[-window:].sum()),
+        "all": float(t.sum() / pt.sum()),
+        "pays_from_step": pays_from(step, ratio),
+    }
+
+
+def after_step_1(res: common.ArmResult, key: str):
+    """(step, value) of `key` from step 2 on (step 1 also compiles)."""
+    step, y = res.series(key)
+    return step[1:], y[1:]
+
+
+def row(res: common.ArmResult, plain: common.ArmResult, window: int) -> dict:
+    roll = ratio_vs_plain(
+        *after_step_1(res, "rollout_s"), *after_step_1(plain, "rollout_s"), window
+    )
+    wall = ratio_vs_plain(*common.step_times(res), *common.step_times(plain), window)
     speed = res.summary.get("rollout_speedup") or {}
     _, alen = res.series("accept_len")
     return {
@@ -57,10 +78,9 @@ def row(res: common.ArmResult, plain: common.ArmResult, window: int) -> dict:
         "accept_len_first": float(alen[0]),
         "accept_len_first10": common.window_mean(res, "accept_len", True, window),
         "accept_len_last10": common.window_mean(res, "accept_len", False, window),
-        "rollout_s_ratio_first10": float(t[:window].sum() / pt[:window].sum()),
-        "rollout_s_ratio_last10": float(t[-window:].sum() / pt[-window:].sum()),
-        "rollout_s_total_ratio": float(t[1:].sum() / pt[1:].sum()),
-        "pays_from_step": pays_from(step, ratio),
+        # speculative / plain seconds (< 1: speculation is faster), steps 2..
+        "rollout_s_ratio": roll,
+        "step_s_ratio": wall,
         "final_rollout_speedup": speed.get("speedup"),
         "final_speedup_batch": speed.get("batch"),
         "reward_last10": common.window_mean(res, "reward_mean", False, window),
@@ -79,12 +99,24 @@ def figures(results: dict[str, common.ArmResult], window: int) -> None:
         f"GrowMTP vs a pre-trained MTP ({setting})",
         size=(7, 4.5),
     )
+
+    def timing(x, y):
+        return x, common.running_mean(y, window)
+
     plots.lines(
         HERE / "rollout_time.png",
-        {results[n].arm.label: smooth(results[n], "rollout_s") for n in ARMS},
+        {results[n].arm.label: timing(*after_step_1(results[n], "rollout_s")) for n in ARMS},
         "RL step",
         "rollout wall time per step (s)",
         f"rollout time vs plain decoding ({setting})",
+        size=(7, 4.5),
+    )
+    plots.lines(
+        HERE / "step_time.png",
+        {results[n].arm.label: timing(*common.step_times(results[n])) for n in ARMS},
+        "RL step",
+        "wall time per RL step (s)",
+        f"RL step time vs plain decoding ({setting})",
         size=(7, 4.5),
     )
 
@@ -101,11 +133,13 @@ def main():
     rows = {n: row(results[n], results["plain"], args.window) for n in SPEC}
     figures(results, args.window)
     for n, r in rows.items():
+        ro, st = r["rollout_s_ratio"], r["step_s_ratio"]
         print(
             f"{n:16s} accept len {r['accept_len_first']:.2f} -> {r['accept_len_last10']:.2f}  "
-            f"rollout time vs plain {r['rollout_s_ratio_first10']:.2f} -> "
-            f"{r['rollout_s_ratio_last10']:.2f} (all steps {r['rollout_s_total_ratio']:.2f})  "
-            f"pays from step {r['pays_from_step']}  final speedup {r['final_rollout_speedup']}",
+            f"vs plain: rollout time {ro['first']:.2f} -> {ro['last']:.2f} (all {ro['all']:.2f}, "
+            f"pays from step {ro['pays_from_step']}), step time {st['first']:.2f} -> "
+            f"{st['last']:.2f} (all {st['all']:.2f}, pays from step {st['pays_from_step']})  "
+            f"final rollout speedup {r['final_rollout_speedup']}",
             flush=True,
         )
     out = {

@@ -13,9 +13,8 @@ times the entropy change -- and the rest (Bebop §5.1).
     python experiments/mtp_in_rl/run.py --base runs/demo
 
 `--base` is a finished demo run (its `sft` and `mtp` stages; trained there if absent). Arms land
-in `runs/exp_mtp_in_rl/<arm>/` and are reused when finished (shared with
-`experiments/growmtp` and `experiments/e2e_speedup`). Figures and `results.json` land next to
-this file. Last line: one JSON object.
+in `runs/exp_mtp_in_rl/<arm>/` and are reused when finished. Figures and `results.json` land next
+to this file. Last line: one JSON object.
 """
 
 from __future__ import annotations
@@ -38,7 +37,7 @@ STUDY1 = HERE.parent / "entropy_acceptance" / "results_demo.json"
 
 def entropy_slope(arm: common.Arm, study1: dict) -> tuple[str, float]:
     """(study 1 fit used, acceptance per nat) for the arm's verification rule."""
-    fit = "TO-CE" if "rollout.mode='target_only'" in arm.overrides else "RS-TV"
+    fit = "TO-CE" if arm.rule == "target_only" else "RS-TV"
     return fit, float(study1["drafts"][fit]["slope"])
 
 
