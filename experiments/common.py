@@ -78,7 +78,7 @@ class ArmResult:
     arm: Arm
     summary: dict
     records: list[dict]
-    wall_s: float | None  # this launch's wall time (None: a finished arm reused)
+    wall_s: float | None  # the launch's wall time (from `arm.json` when reused; None: unknown)
 
     def series(self, key: str):
         return plots.series(self.records, key)
@@ -90,8 +90,8 @@ def run_arm(
     """The RL stage of `config` from `base`'s SFT policy with `arm`'s overrides (and `extra`,
     the study's common ones), in `root/arm.name`; a finished one is reused."""
     wd = Path(root).absolute() / arm.name
-    done = wd / "rl" / "summary.json"
-    wall = None
+    done, record = wd / "rl" / "summary.json", wd / "arm.json"
+    wall = json.loads(record.read_text())["wall_s"] if record.exists() else None
     if not done.exists():
         shutil.rmtree(wd, ignore_errors=True)
         wd.mkdir(parents=True)
@@ -100,6 +100,7 @@ def run_arm(
         t0 = time.perf_counter()
         launch(config, wd, ["stages=('rl',)", *init, *extra, *arm.overrides])
         wall = time.perf_counter() - t0
+        record.write_text(json.dumps({"wall_s": wall, "overrides": list(arm.overrides)}) + "\n")
         print(f"  {arm.name}: {wall:.0f} s", flush=True)
     summary = json.loads(done.read_text())
     return ArmResult(arm, summary, plots.read_metrics(wd / "rl" / "metrics.jsonl"), wall)

@@ -96,7 +96,7 @@ def figures(results: dict[str, common.ArmResult], window: int) -> None:
         {results[n].arm.label: smooth(results[n], "accept_len") for n in SPEC},
         "RL step",
         "accept length (tokens per verify)",
-        f"GrowMTP vs a pre-trained MTP ({setting})",
+        f"GrowMTP vs a pre-trained MTP\n({setting})",
         size=(7, 4.5),
     )
 
@@ -108,7 +108,7 @@ def figures(results: dict[str, common.ArmResult], window: int) -> None:
         {results[n].arm.label: timing(*after_step_1(results[n], "rollout_s")) for n in ARMS},
         "RL step",
         "rollout wall time per step (s)",
-        f"rollout time vs plain decoding ({setting})",
+        f"rollout time vs plain decoding\n({setting})",
         size=(7, 4.5),
     )
     plots.lines(
@@ -116,7 +116,7 @@ def figures(results: dict[str, common.ArmResult], window: int) -> None:
         {results[n].arm.label: timing(*common.step_times(results[n])) for n in ARMS},
         "RL step",
         "wall time per RL step (s)",
-        f"RL step time vs plain decoding ({setting})",
+        f"RL step time vs plain decoding\n({setting})",
         size=(7, 4.5),
     )
 

@@ -80,7 +80,7 @@ def figures(results: dict[str, common.ArmResult], window: int) -> None:
         {r.arm.label: smooth(r, "accept_len") for r in results.values()},
         "RL step",
         "accept length (tokens per verify)",
-        f"accept length during RL ({setting})",
+        f"accept length during RL\n({setting})",
         size=(7, 4.5),
     )
     plots.lines(
@@ -92,7 +92,7 @@ def figures(results: dict[str, common.ArmResult], window: int) -> None:
         },
         "RL step",
         "acceptance at draft position k",
-        f"per-position acceptance during RL ({setting})",
+        f"per-position acceptance during RL\n({setting})",
         size=(7, 4.5),
     )
     plots.lines(
@@ -100,7 +100,7 @@ def figures(results: dict[str, common.ArmResult], window: int) -> None:
         {r.arm.label: smooth(r, "rollout_entropy") for r in results.values()},
         "RL step",
         "policy entropy of emitted tokens (nats)",
-        f"policy entropy during RL ({setting})",
+        f"policy entropy during RL\n({setting})",
         size=(7, 4.5),
     )
 
