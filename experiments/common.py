@@ -8,6 +8,7 @@ directory to redo it); study scripts that name the same arm share one run.
 
 from __future__ import annotations
 
+import argparse
 import dataclasses
 import json
 import os
@@ -182,3 +183,26 @@ STUDY2_ARMS = {
 
 def study2_arms(names, base: Path, root: Path) -> dict[str, ArmResult]:
     return {n: run_arm(STUDY2_ARMS[n], base, root, extra=STUDY2_EXTRA) for n in names}
+
+
+def study2_parser(root: str) -> argparse.ArgumentParser:
+    """The study-2 scripts' common flags."""
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--base", default="runs/demo", help="a finished demo run (sft + mtp)")
+    ap.add_argument("--workdir", default=root, help="where the arms' runs land")
+    ap.add_argument("--window", type=int, default=10, help="steps per window / running mean")
+    return ap
+
+
+def report(here: Path, study: str, base: Path, results: dict[str, ArmResult], t0: float, **fields):
+    """Writes `here/results.json` and prints it as the script's last line."""
+    out = {
+        "study": study,
+        "model": "demo",
+        "base": str(base),
+        **fields,
+        "arm_wall_s": {n: r.wall_s for n, r in results.items()},
+        "wall_s": time.perf_counter() - t0,
+    }
+    write_json(here / "results.json", out)
+    print(json.dumps(out))

@@ -26,7 +26,6 @@ otherwise idle machine, one after the other: their wall times are compared); fig
 
 from __future__ import annotations
 
-import argparse
 import json
 import os
 import sys
@@ -194,11 +193,7 @@ def figures(results: dict[str, common.ArmResult], window: int) -> None:
 
 
 def main():
-    ap = argparse.ArgumentParser()
-    ap.add_argument("--base", default="runs/demo", help="a finished demo run (sft + mtp)")
-    ap.add_argument("--workdir", default=common.TIMED_ROOT)
-    ap.add_argument("--window", type=int, default=10, help="running-mean width in steps")
-    args = ap.parse_args()
+    args = common.study2_parser(common.TIMED_ROOT).parse_args()
     t0 = time.perf_counter()
     base = common.base_run(Path(args.base))
     results = common.study2_arms(ARMS, base, Path(args.workdir))
@@ -229,20 +224,18 @@ def main():
         f"{proj['rollout_speedup']:.2f}x, end to end {proj['e2e_speedup_sync']:.2f}x",
         flush=True,
     )
-    out = {
-        "study": "e2e_speedup",
-        "model": "demo",
-        "base": str(base),
-        "load_average_1min_at_end": os.getloadavg()[0],
-        "arms": times,
-        "ratios": rat,
-        "cost_model": model_,
-        "paper": PAPER,
-        "arm_wall_s": {n: r.wall_s for n, r in results.items()},
-        "wall_s": time.perf_counter() - t0,
-    }
-    common.write_json(HERE / "results.json", out)
-    print(json.dumps(out))
+    common.report(
+        HERE,
+        "e2e_speedup",
+        base,
+        results,
+        t0,
+        load_average_1min_at_end=os.getloadavg()[0],
+        arms=times,
+        ratios=rat,
+        cost_model=model_,
+        paper=PAPER,
+    )
 
 
 if __name__ == "__main__":

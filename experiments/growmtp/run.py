@@ -18,8 +18,6 @@ file. Last line: one JSON object.
 
 from __future__ import annotations
 
-import argparse
-import json
 import sys
 import time
 from pathlib import Path
@@ -122,11 +120,7 @@ def figures(results: dict[str, common.ArmResult], window: int) -> None:
 
 
 def main():
-    ap = argparse.ArgumentParser()
-    ap.add_argument("--base", default="runs/demo", help="a finished demo run (sft + mtp)")
-    ap.add_argument("--workdir", default=common.TIMED_ROOT)
-    ap.add_argument("--window", type=int, default=10, help="steps per window / running mean")
-    args = ap.parse_args()
+    args = common.study2_parser(common.TIMED_ROOT).parse_args()
     t0 = time.perf_counter()
     base = common.base_run(Path(args.base))
     results = common.study2_arms(ARMS, base, Path(args.workdir))
@@ -142,17 +136,15 @@ def main():
             f"final rollout speedup {r['final_rollout_speedup']}",
             flush=True,
         )
-    out = {
-        "study": "growmtp",
-        "model": "demo",
-        "base": str(base),
-        "window_steps": args.window,
-        "arms": rows,
-        "arm_wall_s": {n: r.wall_s for n, r in results.items()},
-        "wall_s": time.perf_counter() - t0,
-    }
-    common.write_json(HERE / "results.json", out)
-    print(json.dumps(out))
+    common.report(
+        HERE,
+        "growmtp",
+        base,
+        results,
+        t0,
+        window_steps=args.window,
+        arms=rows,
+    )
 
 
 if __name__ == "__main__":

@@ -19,7 +19,6 @@ to this file. Last line: one JSON object.
 
 from __future__ import annotations
 
-import argparse
 import json
 import sys
 import time
@@ -122,11 +121,7 @@ def table(rows: dict) -> str:
 
 
 def main():
-    ap = argparse.ArgumentParser()
-    ap.add_argument("--base", default="runs/demo", help="a finished demo run (sft + mtp)")
-    ap.add_argument("--workdir", default=common.STUDY2_ROOT)
-    ap.add_argument("--window", type=int, default=10, help="steps per window / running mean")
-    args = ap.parse_args()
+    args = common.study2_parser(common.STUDY2_ROOT).parse_args()
     t0 = time.perf_counter()
     base = common.base_run(Path(args.base))
     results = common.study2_arms(ARMS, base, Path(args.workdir))
@@ -134,17 +129,15 @@ def main():
     rows = {n: decompose(r, study1, args.window) for n, r in results.items()}
     figures(results, args.window)
     print(table(rows), flush=True)
-    out = {
-        "study": "mtp_in_rl",
-        "model": "demo",
-        "base": str(base),
-        "window_steps": args.window,
-        "arms": rows,
-        "arm_wall_s": {n: r.wall_s for n, r in results.items()},
-        "wall_s": time.perf_counter() - t0,
-    }
-    common.write_json(HERE / "results.json", out)
-    print(json.dumps(out))
+    common.report(
+        HERE,
+        "mtp_in_rl",
+        base,
+        results,
+        t0,
+        window_steps=args.window,
+        arms=rows,
+    )
 
 
 if __name__ == "__main__":
