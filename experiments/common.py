@@ -89,7 +89,8 @@ def run_arm(
     arm: Arm, base: Path, root: Path, config: str = "configs/demo.py", extra=()
 ) -> ArmResult:
     """The RL stage of `config` from `base`'s SFT policy with `arm`'s overrides (and `extra`,
-    the study's common ones), in `root/arm.name`; a finished one is reused."""
+    the study's common ones), in `root/arm.name`; a finished one is reused. `base` must be a run
+    of the same `config` (its SFT checkpoint is restored as that config's policy)."""
     wd = Path(root).absolute() / arm.name
     done, record = wd / "rl" / "summary.json", wd / "arm.json"
     wall = json.loads(record.read_text())["wall_s"] if record.exists() else None
