@@ -116,6 +116,12 @@ def running_mean(y, width: int) -> np.ndarray:
     return (c[1:] - c[lo]) / (np.arange(1, y.size + 1) - lo)
 
 
+def smoothed(res: ArmResult, key: str, width: int):
+    """(step, running mean of `key` over `width` steps)."""
+    step, y = res.series(key)
+    return step, running_mean(y, width)
+
+
 def window_mean(res: ArmResult, key: str, first: bool, n: int = 10) -> float:
     """Mean of `key` over the first (or last) `n` steps that record it."""
     _, y = res.series(key)

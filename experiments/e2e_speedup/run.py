@@ -26,6 +26,7 @@ otherwise idle machine, one after the other: their wall times are compared); fig
 
 from __future__ import annotations
 
+import argparse
 import json
 import os
 import sys
@@ -41,15 +42,13 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 from bebop import (  # noqa: E402  # noqa: E402
     compaction,
     model,
-    mtp_train,
     plots,
-    policies,
-    prompts,
     sampling,
     sharding,
     spec_compacted,
 )
 from bebop import config as config_lib  # noqa: E402
+from benchmarks.rollout import load_models  # noqa: E402
 from experiments import common  # noqa: E402
 
 HERE = Path(__file__).resolve().parent
@@ -109,17 +108,14 @@ def cost_model(base: Path, frozen: common.ArmResult, plain_sync: dict, gamma: in
     cut at EOS or the budget)."""
     cfg = config_lib.from_dict(config_lib.RunConfig, json.loads((base / "config.json").read_text()))
     mesh = sharding.make_mesh(config_lib.MeshConfig(data=1), jax.devices()[:1])
-    pol = policies.load(cfg, base, mesh)
-    mtp = mtp_train.load_trained(cfg, base, cfg.model, mesh)
-    vocab = mtp_train.load_draft_vocab(base / "mtp", cfg.model.vocab_size)
+    demo = argparse.Namespace(model="demo", workdir=str(base), num_prompts=8, prompts="task")
+    pol, mtp, vocab, tok, ids, _ = load_models(demo, mesh)
     vocab = None if vocab is None else jnp.asarray(vocab)
-    ids = prompts.prompt_ids(cfg, pol.tok, 8, "bench", "task")
-    width = int(sampling.pad_prompts(ids, pol.tok.pad_id)[0].shape[1])
+    width = int(sampling.pad_prompts(ids, tok.pad_id)[0].shape[1])
     batch = cfg.rl.prompts_per_step * cfg.rl.group_size
-    layers = model.decode_layers_jit(pol.graphdef, pol.params)
     costs = spec_compacted.loop_costs(
-        (pol.graphdef, pol.params),
-        layers,
+        pol,
+        model.decode_layers_jit(*pol),
         mtp,
         vocab,
         batch,
@@ -135,7 +131,7 @@ def cost_model(base: Path, frozen: common.ArmResult, plain_sync: dict, gamma: in
     # of B rows) unless it is tied to the head; a draft step: one MTP layer plus the head over
     # the draft vocabulary.
     m, d = cfg.model, cfg.model.dim
-    n_pol = sum(x.size for x in jax.tree.leaves(pol.params))
+    n_pol = sum(x.size for x in jax.tree.leaves(pol[1]))
     step_bytes = n_pol - (0 if m.tie_embeddings else m.vocab_size * d)
     n_mtp = sum(x.size for x in jax.tree.leaves(mtp[1]))
     head = (m.vocab_size if vocab is None else int(vocab.size)) * d

@@ -88,10 +88,9 @@ def row(res: common.ArmResult, plain: common.ArmResult, window: int) -> dict:
 
 def figures(results: dict[str, common.ArmResult], window: int) -> None:
     setting = f"demo GRPO, T = 0.7, γ = 2, 128 rows/step; running mean of {window} steps"
-    smooth = lambda r, k: (r.series(k)[0], common.running_mean(r.series(k)[1], window))  # noqa: E731
     plots.lines(
         HERE / "accept_len.png",
-        {results[n].arm.label: smooth(results[n], "accept_len") for n in SPEC},
+        {results[n].arm.label: common.smoothed(results[n], "accept_len", window) for n in SPEC},
         "RL step",
         "accept length (tokens per verify)",
         f"GrowMTP vs a pre-trained MTP\n({setting})",

@@ -72,11 +72,10 @@ def decompose(res: common.ArmResult, study1: dict, n: int = 10) -> dict:
 
 
 def figures(results: dict[str, common.ArmResult], window: int) -> None:
-    smooth = lambda r, key: (r.series(key)[0], common.running_mean(r.series(key)[1], window))  # noqa: E731
     setting = f"demo GRPO, T = 0.7, γ = 2, 128 rows/step; running mean of {window} steps"
     plots.lines(
         HERE / "accept_len.png",
-        {r.arm.label: smooth(r, "accept_len") for r in results.values()},
+        {r.arm.label: common.smoothed(r, "accept_len", window) for r in results.values()},
         "RL step",
         "accept length (tokens per verify)",
         f"accept length during RL\n({setting})",
@@ -85,7 +84,7 @@ def figures(results: dict[str, common.ArmResult], window: int) -> None:
     plots.lines(
         HERE / "per_position.png",
         {
-            f"{r.arm.name} pos {k}": smooth(r, f"accept_rate_{k}")
+            f"{r.arm.name} pos {k}": common.smoothed(r, f"accept_rate_{k}", window)
             for r in results.values()
             for k in (1, 2)
         },
@@ -96,7 +95,7 @@ def figures(results: dict[str, common.ArmResult], window: int) -> None:
     )
     plots.lines(
         HERE / "entropy.png",
-        {r.arm.label: smooth(r, "rollout_entropy") for r in results.values()},
+        {r.arm.label: common.smoothed(r, "rollout_entropy", window) for r in results.values()},
         "RL step",
         "policy entropy of emitted tokens (nats)",
         f"policy entropy during RL\n({setting})",
