@@ -1,5 +1,6 @@
 """Statistics shared by the studies: a linear fit with bootstrap intervals, Spearman's rank
-correlation and binned means. numpy only; every function takes plain 1-D arrays."""
+correlation, binned means and the RS-vs-TO decision-rule check. numpy only; every function takes
+plain 1-D arrays."""
 
 from __future__ import annotations
 
@@ -87,3 +88,59 @@ def binned(x, y, bins: int = 10, min_count: int = 1):
             ys.append(y[p].mean())
             ns.append(p.size)
     return np.array(xs), np.array(ys), np.array(ns, np.int64)
+
+
+@dataclasses.dataclass(frozen=True)
+class RuleCheck:
+    """Per margin bin (see `rule_check`): arrays over the bins that hold enough tokens."""
+
+    margin: np.ndarray  # mean predicted margin Σ min(p, q) − p(argmax q) of the bin's tokens
+    measured: np.ndarray  # RS run's accepted share − TO run's, in the bin
+    se: np.ndarray  # standard error of `measured`
+    tokens: np.ndarray  # drafted tokens of both runs in the bin
+    resolved: np.ndarray  # |measured| > z · se: the bin has a measured winner
+    correct: np.ndarray  # resolved and the predicted winner (sign of margin) is the measured one
+
+    @property
+    def accuracy(self) -> float:
+        """Token-weighted share of resolved bins whose winner the rule predicted."""
+        n = self.tokens[self.resolved].sum()
+        return float(self.tokens[self.correct].sum() / n) if n else float("nan")
+
+    @property
+    def resolved_share(self) -> float:
+        return float(self.tokens[self.resolved].sum() / max(self.tokens.sum(), 1))
+
+
+def rule_check(margin_rs, accepted_rs, margin_to, accepted_to, bins=20, min_count=30, z=2.0):
+    """Bebop's decision rule, RS beats TO where TV(p, q) < 1 − p(argmax q), i.e. where the
+    margin Σ_v min(p, q) − p(argmax q) > 0, tested on measured outcomes: the drafted tokens of an
+    RS run (their margins, accepted or not) and of a TO run at the same setting are binned by
+    margin (equal-count bins of the pooled margins); in each bin the measured acceptance
+    difference (RS − TO) is compared in sign with the bin's mean margin. A bin with fewer than
+    `min_count` tokens of either run is dropped; one whose difference is within `z` standard
+    errors of 0 is unresolved (a tie at this sample size) and does not count either way."""
+    m_rs, a_rs = np.asarray(margin_rs, np.float64), np.asarray(accepted_rs, np.float64)
+    m_to, a_to = np.asarray(margin_to, np.float64), np.asarray(accepted_to, np.float64)
+    if m_rs.shape != a_rs.shape or m_to.shape != a_to.shape:
+        raise ValueError(
+            f"rule_check: margins and outcomes differ in shape: RS {m_rs.shape} vs "
+            f"{a_rs.shape}, TO {m_to.shape} vs {a_to.shape}"
+        )
+    pooled = np.concatenate([m_rs, m_to])
+    edges = np.unique(np.quantile(pooled, np.linspace(0, 1, bins + 1)))
+    b_rs = np.clip(np.searchsorted(edges, m_rs, "right") - 1, 0, len(edges) - 2)
+    b_to = np.clip(np.searchsorted(edges, m_to, "right") - 1, 0, len(edges) - 2)
+    rows = []
+    for b in range(len(edges) - 1):
+        r, t = a_rs[b_rs == b], a_to[b_to == b]
+        if r.size < min_count or t.size < min_count:
+            continue
+        diff = r.mean() - t.mean()
+        se = np.sqrt(r.var() / r.size + t.var() / t.size)
+        margin = np.concatenate([m_rs[b_rs == b], m_to[b_to == b]]).mean()
+        rows.append((margin, diff, se, r.size + t.size))
+    margin, measured, se, tokens = np.array(rows, np.float64).reshape(-1, 4).T
+    resolved = np.abs(measured) > z * se
+    correct = resolved & (np.sign(measured) == np.sign(margin))
+    return RuleCheck(margin, measured, se, tokens.astype(np.int64), resolved, correct)

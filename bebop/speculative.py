@@ -38,7 +38,8 @@ Statistics per row, from what was emitted (drafts cut off by EOS or the token bu
 count): attempts and acceptances per draft position, a histogram of tokens emitted per verify
 (1 .. Y+1), verify calls; per emitted token its `status` (ACCEPTED draft, REJECTED =
 the residual token that replaced a rejected draft, UNDRAFTED = bonus or first token) and, at
-drafted positions, the analytic acceptance Σ_v min(p, q_rule) (`overlap`).
+drafted positions, the analytic acceptance Σ_v min(p, q_rule) (`overlap`; with
+`SpecConfig.other_rule` also the other rule's, `overlap_other`: the RS-vs-TO analysis).
 """
 
 from __future__ import annotations
@@ -72,6 +73,9 @@ class SpecConfig:
     num_draft: int = 3  # Y (γ)
     rule: str = "rejection"  # a key of DRAFT_RULES
     record: bool = False  # also return backbone hiddens and per-cycle accept lengths (GrowMTP)
+    # Also record, per drafted position, the analytic acceptance the *other* rule would have had
+    # for the same p and MTP distribution (`SpecStats.overlap_other`; the RS-vs-TO analysis).
+    other_rule: bool = False
 
 
 def _draft_rejection(key, logq_BxVd, cfg: SamplingConfig):
@@ -89,6 +93,7 @@ def _draft_target_only(key, logq_BxVd, cfg: SamplingConfig):
 # A rule maps (per-row keys, processed draft log-probs [B, Vd], config) to (draft indices into the
 # draft vocabulary [B], the q its acceptance test uses [B, Vd]).
 DRAFT_RULES = {"rejection": _draft_rejection, "target_only": _draft_target_only}
+OTHER_RULE = {"rejection": "target_only", "target_only": "rejection"}
 
 
 @struct.dataclass
@@ -99,6 +104,9 @@ class SpecStats:
     verify_calls: jax.Array  # [B]
     status: jax.Array  # [B, N] int32 per emitted token (ACCEPTED / REJECTED / UNDRAFTED)
     overlap: jax.Array  # [B, N] Σ min(p, q) at drafted positions, 0 elsewhere
+    # With SpecConfig.other_rule: the same for the other rule's q (target_only's one-hot at
+    # argmax q -> p(argmax q); rejection's q itself -> Σ min(p, q)), else None.
+    overlap_other: jax.Array | None = None
 
 
 @struct.dataclass
@@ -264,6 +272,7 @@ def init_state(m: Models, pol_gd, pol_params, prompt_BxP, prompt_lens_B, row_key
         verify_calls=jnp.zeros((rows,), jnp.int32),
         status=zeros_i.at[:, 0].set(UNDRAFTED),
         overlap=zeros_f,
+        overlap_other=zeros_f if spec.other_rule else None,
     )
     hid_buf = cyc_buf = None
     if spec.record:
@@ -307,13 +316,16 @@ def _catch_up(m: Models, s: State):
 
 def _draft(m: Models, hid_Bx1xD, logits_BxVd, mtp_cache, anchor_B, keys_B):
     """Y drafts from the chain. Returns (token ids `[B, Y]`, indices into the draft vocabulary
-    `[B, Y]`, the rule's q `[B, Y, Vd]`); the MTP cache is rolled back to `anchor_B` after."""
+    `[B, Y]`, the rule's q `[B, Y, Vd]`, the other rule's q `[B, Y, Vd]` or None unless
+    `SpecConfig.other_rule`); the MTP cache is rolled back to `anchor_B` after."""
     n_mtp, y, b = m.mtp.num_layers, m.spec.num_draft, anchor_B.shape[0]
     rule = DRAFT_RULES[m.spec.rule]
+    other = DRAFT_RULES[OTHER_RULE[m.spec.rule]] if m.spec.other_rule else None
     if y == 0:
         none_Bx0 = jnp.zeros((b, 0), jnp.int32)
-        return none_Bx0, none_Bx0, jnp.zeros((b, 0, m.head_DxVd.shape[1])), mtp_cache
-    idx, toks, qs = [], [], []
+        q_Bx0xVd = jnp.zeros((b, 0, m.head_DxVd.shape[1]))
+        return none_Bx0, none_Bx0, q_Bx0xVd, q_Bx0xVd if other else None, mtp_cache
+    idx, toks, qs, qs_other = [], [], [], []
     for k in range(1, y + 1):
         if k > 1:
             layer = (k - 1) % n_mtp
@@ -327,14 +339,18 @@ def _draft(m: Models, hid_Bx1xD, logits_BxVd, mtp_cache, anchor_B, keys_B):
             )
             mtp_cache = mtp_cache.advance(jnp.ones((b,), jnp.int32))
             logits_BxVd = mtp_lib.logits(m.policy, normed_Bx1xD, m.head_DxVd)[:, 0]
-        d_idx_B, q_BxVd = rule(_fold(keys_B, k), process_logits(logits_BxVd, m.scfg), m.scfg)
+        logq_BxVd = process_logits(logits_BxVd, m.scfg)
+        d_idx_B, q_BxVd = rule(_fold(keys_B, k), logq_BxVd, m.scfg)
         idx.append(d_idx_B)
         toks.append(d_idx_B if m.vocab_Vd is None else m.vocab_Vd[d_idx_B])
         qs.append(q_BxVd)
+        if other:  # its draft is not used (the chain follows this rule's drafts)
+            qs_other.append(other(_fold(keys_B, k), logq_BxVd, m.scfg)[1])
     return (
         jnp.stack(toks, axis=1),
         jnp.stack(idx, axis=1),
         jnp.stack(qs, axis=1),
+        jnp.stack(qs_other, axis=1) if other else None,
         mtp_cache.rollback(anchor_B),
     )
 
@@ -349,10 +365,11 @@ def _verify(m: Models, s: State, drafts_BxY):
     return logits_BxWxV, hid_BxWxD, cache.advance(jnp.full((tok_BxW.shape[0],), w, jnp.int32))
 
 
-def _emit(m: Models, s: State, drafts_BxY, n_acc_B, next_B, logits_BxWxV, logp_BxWxV, q_BxYxVd):
+def _emit(m: Models, s: State, drafts_BxY, n_acc_B, next_B, logits_BxWxV, logp_BxWxV, qs_BxYxVd):
     """Writes each row's emitted tokens (accepted drafts, then `next_B`; cut at EOS and the
-    budget) with their log-probs, entropies, status and overlap. Returns (out, stats, tokens
-    `[B, W]` as emitted, n_emit `[B]`, finished `[B]`)."""
+    budget) with their log-probs, entropies, status and overlap. `qs_BxYxVd`: (the rule's q, the
+    other rule's q or None). Returns (out, stats, tokens `[B, W]` as emitted, n_emit `[B]`,
+    finished `[B]`)."""
     scfg, y = m.scfg, drafts_BxY.shape[1]
     b = drafts_BxY.shape[0]
     live_B = ~s.done_B
@@ -369,10 +386,18 @@ def _emit(m: Models, s: State, drafts_BxY, n_acc_B, next_B, logits_BxWxV, logp_B
     )
     # Σ_v min(p, q) over the draft vocabulary (q is 0 outside it).
     logp_d_BxYxVd = logp_BxWxV[:, :y] if m.vocab_Vd is None else logp_BxWxV[:, :y, m.vocab_Vd]
-    overlap_BxY = jnp.sum(jnp.minimum(jnp.exp(logp_d_BxYxVd), q_BxYxVd), axis=-1)
-    overlap_BxW = jnp.concatenate([overlap_BxY, jnp.zeros((b, 1))], axis=1)
-    overlap_BxW = jnp.where(status_BxW == UNDRAFTED, 0.0, overlap_BxW)
+
+    def overlap_BxW(q_BxYxVd):
+        overlap_BxY = jnp.sum(jnp.minimum(jnp.exp(logp_d_BxYxVd), q_BxYxVd), axis=-1)
+        overlap_BxW = jnp.concatenate([overlap_BxY, jnp.zeros((b, 1))], axis=1)
+        return jnp.where(status_BxW == UNDRAFTED, 0.0, overlap_BxW)
+
     o, st, off = s.out, s.stats, s.out.lengths
+    q_BxYxVd, q_other_BxYxVd = qs_BxYxVd
+    if q_other_BxYxVd is not None:
+        st = st.replace(
+            overlap_other=_write_rows(st.overlap_other, overlap_BxW(q_other_BxYxVd), off)
+        )
     o = o.replace(
         tokens=_write_rows(o.tokens, emit_BxW, off),
         logprobs=_write_rows(o.logprobs, lp_BxW, off),
@@ -382,7 +407,7 @@ def _emit(m: Models, s: State, drafts_BxY, n_acc_B, next_B, logits_BxWxV, logp_B
     st = st.replace(
         **_cycle_counts(st, n_acc_B, n_emit_B, live_B, y),
         status=_write_rows(st.status, status_BxW, off),
-        overlap=_write_rows(st.overlap, overlap_BxW, off),
+        overlap=_write_rows(st.overlap, overlap_BxW(q_BxYxVd), off),
     )
     return o, st, emit_BxW, finished_B
 
@@ -439,6 +464,8 @@ def finalise(scfg: SamplingConfig, record: bool, rows: tuple, prompt_width: int)
         status=jnp.where(mask_BxN, st.status[:, :n], -1),
         overlap=jnp.where(mask_BxN, st.overlap[:, :n], 0.0),
     )
+    if st.overlap_other is not None:
+        stats = stats.replace(overlap_other=jnp.where(mask_BxN, st.overlap_other[:, :n], 0.0))
     if not record:
         return SpecOutput(sample_out, stats)
     width = prompt_width + n
@@ -472,7 +499,7 @@ def _cycle(m: Models, s: State) -> State:
     if m.spec.num_draft or m.sync_mtp:
         hid_Bx1xD, logits_BxVd, mtp_cache = _catch_up(m, s)
     anchor_B = s.policy_cache.lengths
-    drafts_BxY, d_idx_BxY, q_BxYxVd, mtp_cache = _draft(
+    drafts_BxY, d_idx_BxY, q_BxYxVd, q_other_BxYxVd, mtp_cache = _draft(
         m, hid_Bx1xD, logits_BxVd, mtp_cache, anchor_B, keys_B
     )
     logits_BxWxV, hid_BxWxD, policy_cache = _verify(m, s, drafts_BxY)
@@ -481,7 +508,7 @@ def _cycle(m: Models, s: State) -> State:
         _fold(keys_B, 0), logp_BxWxV, q_BxYxVd, d_idx_BxY, drafts_BxY, scfg, m.vocab_Vd
     )
     out, stats, emit_BxW, finished_B = _emit(
-        m, s, drafts_BxY, n_acc_B, next_B, logits_BxWxV, logp_BxWxV, q_BxYxVd
+        m, s, drafts_BxY, n_acc_B, next_B, logits_BxWxV, logp_BxWxV, (q_BxYxVd, q_other_BxYxVd)
     )
     return _roll_back(
         m,

@@ -255,6 +255,31 @@ def test_acceptance_counts_are_consistent(rule):
     assert 0 < st.accepts.sum() < st.attempts.sum()
 
 
+def test_other_rule_overlap_is_what_the_other_rule_computes_on_the_same_draft():
+    """`SpecConfig.other_rule` records, per drafted position, the other rule's analytic
+    acceptance. The first draft of each row has the same context and the same MTP q under both
+    rules (same prompt, same first token), so an RS run's `overlap_other` there is a TO run's
+    `overlap` (p(argmax q)) and the other way round; recording it changes no token."""
+    pol, mtp = _models("random")
+    scfg = sampling.SamplingConfig(temperature=1.0, max_new_tokens=12, eos_ids=(-1,))
+    prompts = PROMPTS * 4
+    rs, to, rs_plain = (
+        jax.device_get(_spec(pol, mtp, prompts, scfg, SpecConfig(3, rule, other_rule=o), seed=3))
+        for rule, o in (("rejection", True), ("target_only", True), ("rejection", False))
+    )
+    assert rs_plain.stats.overlap_other is None
+    np.testing.assert_array_equal(rs.sample.tokens, rs_plain.sample.tokens)
+    np.testing.assert_array_equal(rs.stats.overlap, rs_plain.stats.overlap)
+    assert (rs.stats.status[:, 1] != UNDRAFTED).all()  # position 1 is draft 1 of cycle 1
+    np.testing.assert_allclose(rs.stats.overlap_other[:, 1], to.stats.overlap[:, 1], atol=1e-6)
+    np.testing.assert_allclose(to.stats.overlap_other[:, 1], rs.stats.overlap[:, 1], atol=1e-6)
+    # the two rules' acceptances differ here (a random MTP), so the check above is not vacuous
+    assert np.abs(rs.stats.overlap[:, 1] - to.stats.overlap[:, 1]).max() > 0.05
+    other, drafted = rs.stats.overlap_other, rs.stats.status != UNDRAFTED
+    assert (other[~drafted] == 0).all()
+    assert ((other[drafted] >= 0) & (other[drafted] <= 1 + 1e-6)).all()
+
+
 def test_same_tokens_on_one_device_and_an_8_device_mesh(devices):
     pol, mtp = _models("agrees_often")
     scfg = sampling.SamplingConfig(temperature=1.0, max_new_tokens=16, eos_ids=(2,))
