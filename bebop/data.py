@@ -1,14 +1,17 @@
 """grain pipelines.
 
 The SFT stream is a random-access synthetic source (example `i` is a pure function of the seed and
-`i`), batched by grain; the iterator's state (`{"next_index": ...}`) goes into every checkpoint so a
-resumed run continues with exactly the batches it would have seen. The distill set is the `distill`
-stage's `DIR/distill/` arrays (`tokens.npy`, `mask.npy` `[N, S]`), read memory-mapped, shuffled
-and repeated.
+`i`); the distill set is the `distill` stage's `DIR/distill/` arrays (`tokens.npy`, `mask.npy`
+`[N, S]`), read memory-mapped, shuffled and repeated. Both are cut into global batches of B
+consecutive elements, of which each process reads only the rows its devices hold
+(`ProcessRows`, rows from `sharding.process_rows`; every row with one process). The iterator's
+state (`{"next_index": ...}`, the global batch) goes into every checkpoint so a resumed run
+continues with exactly the batches it would have seen.
 """
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from pathlib import Path
 
 import grain
@@ -50,9 +53,31 @@ class SFTSource:
         return {"tokens": tokens, "mask": mask}
 
 
-def sft_dataset(task: TaskConfig, tok: CharTokenizer, seq_len: int, batch: int, seed: int):
-    source = SFTSource(task, tok, seq_len, seed)
-    return grain.MapDataset.source(source).batch(batch, drop_remainder=True)
+class ProcessRows:
+    """Random-access source whose item i is global batch i of `ds` (its elements i·B .. i·B+B-1)
+    restricted to `rows` (sorted indices into the batch), stacked per key: one process's share
+    of every batch, the others' never read. With every row, item i is `ds.batch(B)[i]`."""
+
+    def __init__(self, ds: grain.MapDataset, batch_size: int, rows: Sequence[int] | None = None):
+        self.ds, self.batch_size = ds, batch_size
+        self.rows = np.arange(batch_size) if rows is None else np.asarray(rows, np.int64)
+        if self.rows.size == 0 or self.rows.min() < 0 or self.rows.max() >= batch_size:
+            raise ValueError(f"rows {self.rows.tolist()} are not rows of a batch of {batch_size}")
+
+    def __len__(self) -> int:
+        return len(self.ds) // self.batch_size
+
+    def __getitem__(self, i: int) -> dict:
+        items = [self.ds[int(i) * self.batch_size + int(r)] for r in self.rows]
+        return {k: np.stack([x[k] for x in items]) for k in items[0]}
+
+
+def sft_dataset(
+    task: TaskConfig, tok: CharTokenizer, seq_len: int, batch: int, seed: int, rows=None
+):
+    """Global batches of `batch` examples; only `rows` of each are generated (default: all)."""
+    source = grain.MapDataset.source(SFTSource(task, tok, seq_len, seed))
+    return grain.MapDataset.source(ProcessRows(source, batch, rows))
 
 
 class DistillSource:
@@ -80,6 +105,8 @@ class DistillSource:
         }
 
 
-def distill_dataset(directory: Path, batch_size: int, seed: int):
-    source = DistillSource(directory)
-    return grain.MapDataset.source(source).shuffle(seed=seed).repeat().batch(batch_size)
+def distill_dataset(directory: Path, batch_size: int, seed: int, rows=None):
+    """The distill set shuffled and repeated, in global batches of `batch_size`; only `rows` of
+    each are read (default: all)."""
+    shuffled = grain.MapDataset.source(DistillSource(directory)).shuffle(seed=seed).repeat()
+    return grain.MapDataset.source(ProcessRows(shuffled, batch_size, rows))

@@ -175,7 +175,8 @@ def run(cfg: RunConfig, workdir: Path, mesh, stop_at_step: int | None = None) ->
         name = m.warmup_loss if int(state.step) < m.warmup_loss_steps else m.loss
         return steps[name](state, batch, pol_params)
 
-    it = iter(data.distill_dataset(Path(workdir) / "distill", m.batch_size, cfg.seed))
+    rows = sharding.process_rows(mesh, m.batch_size)  # this process's share of each batch
+    it = iter(data.distill_dataset(Path(workdir) / "distill", m.batch_size, cfg.seed, rows))
     cached = {}
     if m.cache_hidden:  # the frozen target's hiddens and log-normalisers, computed once
         cached = cached_target(
@@ -184,7 +185,7 @@ def run(cfg: RunConfig, workdir: Path, mesh, stop_at_step: int | None = None) ->
 
     def make_batch(b):
         b = MTPBatch(b["tokens"], b["mask"], **{k: v[b["index"]] for k, v in cached.items()})
-        return sharding.shard_batch(b, mesh)
+        return sharding.batch_from_process_rows(b, mesh, m.batch_size)
 
     seq_len = source.tokens.shape[1]
     # Held-out prompts of the distillation's own kind (the RL task), and optionally mixed chat.

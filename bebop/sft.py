@@ -55,7 +55,8 @@ def run(cfg: RunConfig, workdir: Path, mesh, stop_at_step: int | None = None) ->
     params = sharding.place_state(params, mesh)
     optimizer = make_optimizer(scfg.optim, scfg.steps)
     state = sharding.replicate_unplaced(TrainState.create(params, optimizer, cfg.seed), mesh)
-    it = iter(data.sft_dataset(cfg.task, tok, scfg.seq_len, scfg.batch_size, cfg.seed))
+    rows = sharding.process_rows(mesh, scfg.batch_size)  # this process's share of each batch
+    it = iter(data.sft_dataset(cfg.task, tok, scfg.seq_len, scfg.batch_size, cfg.seed, rows))
 
     res = fit(
         "sft",
@@ -64,7 +65,7 @@ def run(cfg: RunConfig, workdir: Path, mesh, stop_at_step: int | None = None) ->
         state,
         make_train_step(lambda p, b, _: sft_loss(graphdef, p, b), optimizer),
         it,
-        lambda batch: sharding.shard_batch(batch, mesh),
+        lambda batch: sharding.batch_from_process_rows(batch, mesh, scfg.batch_size),
         total_steps=scfg.steps,
         log_every=scfg.log_every,
         tokens_per_step=scfg.batch_size * scfg.seq_len,

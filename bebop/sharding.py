@@ -7,6 +7,7 @@ replicated instead (e.g. 3 kv heads on a tensor axis of 2): correctness never de
 
 from __future__ import annotations
 
+import logging
 import math
 from collections.abc import Mapping
 
@@ -130,12 +131,11 @@ def batch_sharding(mesh: Mesh, ndim: int, batch_size: int) -> NamedSharding:
 
 
 def shard_batch(batch, mesh: Mesh):
-    """Places a pytree of host arrays whose leading axis is the batch onto the mesh.
-
-    Every process holds the same global host batch (the stages' data are deterministic in the
-    seed: generated examples, the distill arrays, rollouts sampled from replicated inputs), and
-    each process copies only the rows of its own devices (`make_array_from_callback`); with one
-    process this is a plain `device_put`."""
+    """Places a pytree of host arrays whose leading axis is the batch onto the mesh, from the
+    whole global batch held by every process (the RL learner's: rollouts gathered from every
+    process); each copies only the rows of its own devices (`make_array_from_callback`). With
+    one process a plain `device_put`. Data loaders read only their rows instead
+    (`process_rows`, `batch_from_process_rows`)."""
 
     def one(x):
         x = np.asarray(x)
@@ -145,6 +145,45 @@ def shard_batch(batch, mesh: Mesh):
         return jax.make_array_from_callback(x.shape, sharding, lambda idx: x[idx])
 
     return jax.tree.map(one, batch)
+
+
+def process_rows(mesh: Mesh, batch_size: int) -> np.ndarray:
+    """The rows of a global batch of `batch_size` that this process's devices hold under
+    `batch_sharding` (sorted; every row with one process or a replicated batch): what a data
+    loader of this process reads (`data.ProcessRows`)."""
+    index_map = batch_sharding(mesh, 1, batch_size).addressable_devices_indices_map((batch_size,))
+    rows = sorted({r for idx in index_map.values() for r in range(*idx[0].indices(batch_size))})
+    if rows != list(range(rows[0], rows[-1] + 1)):
+        raise ValueError(
+            f"this process holds rows {rows} of a batch of {batch_size}: not one block (the mesh "
+            f"{dict(mesh.shape)} interleaves processes along the batch axes)"
+        )
+    if jax.process_count() > 1:
+        logging.info(
+            "process %d of %d reads rows %d..%d of each global batch of %d",
+            jax.process_index(),
+            jax.process_count(),
+            rows[0],
+            rows[-1],
+            batch_size,
+        )
+    return np.asarray(rows)
+
+
+def batch_from_process_rows(local, mesh: Mesh, batch_size: int):
+    """Global arrays of `batch_size` rows, batch-sharded over the mesh, from a pytree of host
+    arrays holding this process's rows only (`process_rows`, in order): with several processes
+    `make_array_from_process_local_data`, each process contributing its block; with one, a
+    plain `device_put`."""
+
+    def one(x):
+        x = np.asarray(x)
+        sharding = batch_sharding(mesh, x.ndim, batch_size)
+        if jax.process_count() == 1:
+            return jax.device_put(x, sharding)
+        return jax.make_array_from_process_local_data(sharding, x, (batch_size, *x.shape[1:]))
+
+    return jax.tree.map(one, local)
 
 
 def to_host(tree):

@@ -86,6 +86,7 @@ class Kill:
     last_error: str
     killed_at: float  # wall-clock time of the SIGKILL
     summary_written: bool
+    stderr: str  # the killed launch's (both processes' lines, prefixed [p0] / [p1])
 
 
 def kill_process_1_after_rl_step_1(workdir) -> Kill:
@@ -109,7 +110,7 @@ def kill_process_1_after_rl_step_1(workdir) -> Kill:
     took = time.monotonic() - t0
     reader.join(timeout=10)
     summary = (workdir / "rl/summary.json").exists()
-    return Kill(proc.returncode, took, errs[-1] if errs else "", killed_at, summary)
+    return Kill(proc.returncode, took, errs[-1] if errs else "", killed_at, summary, "".join(errs))
 
 
 @pytest.fixture(scope="module")
@@ -154,6 +155,12 @@ def test_two_processes_match_one_process_on_the_same_mesh(runs):
     assert two["rl"]["max_staleness_seen"] == 1
     # process 0 alone wrote the records: one line per logged step, across the restart
     assert [r["step"] for r in read_jsonl(runs[0] / "rl/metrics.jsonl")] == [1, 2, 3, 4]
+    # the SFT and MTP loaders each read half of every global batch of 8 (the data axis of the
+    # 4-device mesh spans both processes), and the results above still match one process
+    for i, rows in enumerate(("0..3", "4..7")):
+        said = f"process {i} of 2 reads rows {rows} of each global batch of 8"
+        lines = [ln for ln in runs[2].stderr.splitlines() if ln.startswith(f"[p{i}] ")]
+        assert sum(said in ln for ln in lines) == 2, (said, runs[2].stderr[-3000:])
 
 
 def _leaves(x):

@@ -64,3 +64,48 @@ def test_undivisible_dims_are_replicated(devices):
     assert tuple(spec) == ("fsdp", None, None)
     with pytest.raises(KeyError, match="no sharding rule"):
         sharding.spec_for(("nonsense",), (4,), mesh)
+
+
+def test_process_rows_split_global_batches_into_per_process_blocks(devices, tmp_path):
+    """One process holds every row (so its loader reads the whole batch, as before the split);
+    `ProcessRows` cut to any blocks of rows gives exactly those rows of the global batches that
+    grain's own `.batch` makes, for the SFT stream and the shuffled, repeated distill set; and
+    `batch_from_process_rows` lays the batch out like `shard_batch`."""
+    import grain
+
+    from bebop import data
+    from bebop.config import TaskConfig
+    from bebop.tokenizer import CharTokenizer
+
+    mesh = sharding.make_mesh(MeshConfig(data=4, fsdp=2), devices)
+    np.testing.assert_array_equal(sharding.process_rows(mesh, 16), np.arange(16))
+    np.testing.assert_array_equal(sharding.process_rows(mesh, 6), np.arange(6))  # replicated
+    rng = np.random.default_rng(0)
+    np.save(tmp_path / "tokens.npy", rng.integers(0, 50, (13, 5)).astype(np.int32))
+    np.save(tmp_path / "mask.npy", rng.random((13, 5)).astype(np.float32))
+    task, tok = TaskConfig(), CharTokenizer()
+    sources = {
+        "distill": (
+            grain.MapDataset.source(data.DistillSource(tmp_path)).shuffle(seed=3).repeat(),
+            lambda rows: data.distill_dataset(tmp_path, 8, 3, rows),
+        ),
+        "sft": (
+            grain.MapDataset.source(data.SFTSource(task, tok, 48, 3)),
+            lambda rows: data.sft_dataset(task, tok, 48, 8, 3, rows),
+        ),
+    }
+    for name, (elements, make) in sources.items():
+        full = elements.batch(8)
+        halves = make(range(0, 4)), make(range(4, 8))
+        for i in (0, 1, 5):  # batch 1 of the distill set wraps around its 13 examples
+            for key in full[i]:
+                joined = np.concatenate([h[i][key] for h in halves])
+                np.testing.assert_array_equal(joined, full[i][key], err_msg=f"{name} {key} {i}")
+                np.testing.assert_array_equal(make(None)[i][key], full[i][key])
+        assert halves[1][0]["tokens"].shape[0] == 4
+    with pytest.raises(ValueError, match="not rows of a batch of 8"):
+        data.ProcessRows(sources["sft"][0], 8, [6, 8])
+    batch = {"tokens": np.arange(16 * 3).reshape(16, 3)}
+    placed = sharding.batch_from_process_rows(batch, mesh, 16)["tokens"]
+    assert placed.sharding == sharding.shard_batch(batch, mesh)["tokens"].sharding
+    np.testing.assert_array_equal(np.asarray(placed), batch["tokens"])
