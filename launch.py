@@ -122,6 +122,17 @@ def update_config_json(cfg, workdir: Path) -> None:
     config_lib.dump(cfg, path)
 
 
+def use_fast_compile() -> None:
+    """Adds `config.FAST_COMPILE_XLA_FLAGS` to XLA_FLAGS; XLA reads them when JAX starts its
+    backend, which nothing in launch.py has done before this."""
+    from bebop.config import FAST_COMPILE_XLA_FLAGS
+
+    flags = os.environ.get("XLA_FLAGS", "").split()
+    names = {f.split("=")[0] for f in flags}
+    flags += [f for f in FAST_COMPILE_XLA_FLAGS if f.split("=")[0] not in names]
+    os.environ["XLA_FLAGS"] = " ".join(flags)
+
+
 def run_one(cfg, workdir: Path, args, argv) -> int:
     import jax
 
@@ -212,6 +223,8 @@ def main(argv=None) -> int:
     except config_lib.ConfigError as e:  # every entry validated before anything runs
         print(f"config error: {e}", file=sys.stderr)
         return 2
+    if cfgs[0].fast_compile:
+        use_fast_compile()
     maybe_init_distributed(cfgs[0].distributed)
     failed = []
     for i, cfg in zip(indices, cfgs, strict=True):

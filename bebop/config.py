@@ -21,6 +21,11 @@ from pathlib import Path
 
 import ml_collections
 
+FAST_COMPILE_XLA_FLAGS = (
+    "--xla_backend_optimization_level=0",
+    "--xla_llvm_disable_expensive_passes=true",
+)
+
 
 class ConfigError(ValueError):
     """A config value or key is invalid; the message names the key."""
@@ -416,6 +421,10 @@ class RunConfig:
     tensorboard: bool = False  # also write <stage>/tb (needs tensorboardX, in requirements.txt)
     profile_steps: int = 0  # jax.profiler trace of N steps after the first -> <stage>/profile
     compile_cache: bool = True  # persistent XLA compilation cache in <workdir>/jax_cache
+    # XLA without its expensive optimisation passes (FAST_COMPILE_XLA_FLAGS, set by launch.py
+    # before JAX starts): about half the compile time, slower steps. For smoke runs whose time is
+    # mostly compilation (SmolLM2's runlocal); the tests run with the same flags.
+    fast_compile: bool = False
     model: ModelConfig = ModelConfig()
     mesh: MeshConfig = MeshConfig()
     task: TaskConfig = TaskConfig()

@@ -37,10 +37,13 @@ from bebop.mtp_losses import MTPBatch, mtp_loss, target_lse
 from bebop.train import TrainState, make_optimizer, make_train_step, schedule
 
 
-def evaluate(pol, mtp, tok, cfg: RunConfig, prompt_ids, num_draft: int, vocab=None) -> dict:
-    """Real speculative rollouts on held-out prompts, both verification rules."""
+def evaluate(
+    pol, mtp, tok, cfg: RunConfig, prompt_ids, num_draft: int, vocab=None, width: int = 0
+) -> dict:
+    """Real speculative rollouts on held-out prompts, both verification rules (prompts padded to
+    at least `width`: sets of one size and width share the compiled samplers)."""
     scfg = rollout.sampling_config(cfg, tok)
-    toks, lens = sampling.pad_prompts(prompt_ids, tok.pad_id)
+    toks, lens = sampling.pad_prompts(prompt_ids, tok.pad_id, min_width=width)
     res = {}
     for rule in ("rejection", "target_only"):
         out = speculative.sample_jit(
@@ -193,12 +196,13 @@ def run(cfg: RunConfig, workdir: Path, mesh, stop_at_step: int | None = None) ->
     if m.eval_mixed_prompts:
         eval_sets["mixed/"] = prompts.prompt_ids(cfg, tok, m.eval_mixed_prompts, "eval", "mixed")
 
+    width = max(sampling.pad_prompts(ids, tok.pad_id)[0].shape[1] for ids in eval_sets.values())
+
     def eval_fn(state):
         res = {}
         for prefix, ids in eval_sets.items():
-            out = evaluate(
-                (pol_gd, pol_params), (mtp_gd, state.params), tok, cfg, ids, m.eval_draft, vocab
-            )
+            pol, mtp = (pol_gd, pol_params), (mtp_gd, state.params)
+            out = evaluate(pol, mtp, tok, cfg, ids, m.eval_draft, vocab, width)
             res.update({prefix + k: v for k, v in out.items()})
         return res
 

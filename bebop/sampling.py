@@ -58,13 +58,15 @@ def bucket_width(n: int, minimum: int = 16) -> int:
     return 3 * p // 4 if p >= 4 and n <= 3 * p // 4 else p
 
 
-def pad_prompts(prompts: Sequence[Sequence[int]], pad_id: int = 0, bucket: bool = True):
-    """Right-pads token lists to a common (`bucket_width`) width: (tokens_BxP, lengths_B) as
-    numpy."""
+def pad_prompts(
+    prompts: Sequence[Sequence[int]], pad_id: int = 0, bucket: bool = True, min_width: int = 0
+):
+    """Right-pads token lists to a common (`bucket_width`) width, at least `min_width`:
+    (tokens_BxP, lengths_B) as numpy."""
     if not prompts or any(len(p) == 0 for p in prompts):
         raise ValueError("pad_prompts: every prompt needs at least one token")
     width = max(len(p) for p in prompts)
-    width = bucket_width(width) if bucket else width
+    width = max(bucket_width(width) if bucket else width, min_width)
     out = np.full((len(prompts), width), pad_id, np.int32)
     for i, p in enumerate(prompts):
         out[i, : len(p)] = p

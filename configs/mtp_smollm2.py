@@ -45,6 +45,7 @@ def get_config(arg=None):
     )
     c.ckpt.every = 150
     if a.runlocal:
+        c.fast_compile = True  # a smoke run is mostly compilation of SmolLM2-sized programs
         c.rollout.max_new_tokens = 8
         c.distill.update(num_samples=4, batch_size=4)
         c.mtp.update(

@@ -8,19 +8,21 @@ from pathlib import Path
 # The suite's programs are tiny and mostly compiled once: XLA's CPU backend without its expensive
 # optimisation passes compiles them in about half the CPU time (compaction + speculative tests:
 # 4 min 40 s of CPU instead of 8 min 2 s, same machine load), and every test passes the same.
-# Subprocesses (`launch.py` runs) inherit the flags through the environment.
-os.environ["XLA_FLAGS"] = (
-    os.environ.get("XLA_FLAGS", "")
-    + " --xla_force_host_platform_device_count=8"
-    + " --xla_backend_optimization_level=0 --xla_llvm_disable_expensive_passes=true"
+# Subprocesses (`launch.py` runs) inherit the flags through the environment. (The flags of
+# `config.fast_compile`; bebop.config does not start JAX.)
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+from bebop.config import FAST_COMPILE_XLA_FLAGS  # noqa: E402
+
+os.environ["XLA_FLAGS"] = " ".join(
+    [os.environ.get("XLA_FLAGS", ""), "--xla_force_host_platform_device_count=8"]
+    + list(FAST_COMPILE_XLA_FLAGS)
 ).strip()
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import jax  # noqa: E402
 import pytest  # noqa: E402
 
-from bebop.config import ModelConfig  # noqa: E402
+from bebop.config import ModelConfig  # noqa: E402, I001
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -36,6 +38,10 @@ if _RUN:
 else:
     os.environ["JAX_COMPILATION_CACHE_DIR"] = tempfile.mkdtemp(prefix="bebop-tests-jax-cache-")
 jax.config.update("jax_compilation_cache_dir", os.environ["JAX_COMPILATION_CACHE_DIR"])
+# Every program, however quick to compile, and in subprocesses too (a killed-and-restarted
+# `launch.py` run loads what its first launch compiled).
+os.environ["JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS"] = "0"
+os.environ["JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES"] = "0"
 jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.0)
 jax.config.update("jax_persistent_cache_min_entry_size_bytes", 0)
 

@@ -423,3 +423,23 @@ def test_list_sweep_prints_one_command_per_entry_and_sweep_all_runs_each(tmp_pat
     assert rc == 0 and [s["workdir"] for s in summaries] == [
         str(tmp_path / f"sweep{i}") for i in range(3)
     ]
+
+
+def test_fast_compile_adds_the_xla_flags_once_and_keeps_the_users(monkeypatch):
+    """`fast_compile` (SmolLM2's runlocal) appends the flags that XLA reads when JAX starts; a
+    flag the user set keeps its value, and a second call adds nothing."""
+    from bebop.config import FAST_COMPILE_XLA_FLAGS
+
+    monkeypatch.setenv("XLA_FLAGS", "--xla_force_host_platform_device_count=2 "
+                       "--xla_backend_optimization_level=2")  # fmt: skip
+    launch.use_fast_compile()
+    launch.use_fast_compile()
+    flags = os.environ["XLA_FLAGS"].split()
+    assert flags == [
+        "--xla_force_host_platform_device_count=2",
+        "--xla_backend_optimization_level=2",
+        "--xla_llvm_disable_expensive_passes=true",
+    ]
+    assert set(FAST_COMPILE_XLA_FLAGS) - set(flags) == {"--xla_backend_optimization_level=0"}
+    assert config_lib.load("configs/rl_smollm2.py:runlocal")[0].fast_compile
+    assert not config_lib.load("configs/rl_smollm2.py")[0].fast_compile
