@@ -223,6 +223,9 @@ def main(argv=None) -> int:
     except config_lib.ConfigError as e:  # every entry validated before anything runs
         print(f"config error: {e}", file=sys.stderr)
         return 2
+    if len({c.fast_compile for c in cfgs}) > 1:  # XLA reads its flags once, when JAX starts
+        print("config error: sweep entries differ in 'fast_compile'", file=sys.stderr)
+        return 2
     if cfgs[0].fast_compile:
         use_fast_compile()
     maybe_init_distributed(cfgs[0].distributed)

@@ -95,11 +95,12 @@ class RuleCheck:
     """Per margin bin (see `rule_check`): arrays over the bins that hold enough tokens."""
 
     margin: np.ndarray  # mean predicted margin Σ min(p, q) − p(argmax q) of the bin's tokens
-    measured: np.ndarray  # RS run's accepted share − TO run's, in the bin
-    se: np.ndarray  # standard error of `measured`
-    tokens: np.ndarray  # drafted tokens of both runs in the bin
+    measured: np.ndarray  # mean paired difference: measured RS − TO acceptance, same tokens
+    se: np.ndarray  # its standard error (ddof 1)
+    tokens: np.ndarray  # drafted tokens in the bin
     resolved: np.ndarray  # |measured| > z · se: the bin has a measured winner
-    correct: np.ndarray  # resolved and the predicted winner (sign of margin) is the measured one
+    correct: np.ndarray  # resolved, a predicted winner (margin ≠ 0), and it is the measured one
+    dropped: int  # tokens in bins with fewer than `min_count` tokens
 
     @property
     def accuracy(self) -> float:
@@ -109,38 +110,43 @@ class RuleCheck:
 
     @property
     def resolved_share(self) -> float:
-        return float(self.tokens[self.resolved].sum() / max(self.tokens.sum(), 1))
+        """Share of all tokens (dropped bins included) in resolved bins."""
+        return float(self.tokens[self.resolved].sum() / max(self.tokens.sum() + self.dropped, 1))
 
 
-def rule_check(margin_rs, accepted_rs, margin_to, accepted_to, bins=20, min_count=30, z=2.0):
+def rule_check(margin, diff, bins: int = 20, min_count: int = 30, z: float = 3.0) -> RuleCheck:
     """Bebop's decision rule, RS beats TO where TV(p, q) < 1 − p(argmax q), i.e. where the
-    margin Σ_v min(p, q) − p(argmax q) > 0, tested on measured outcomes: the drafted tokens of an
-    RS run (their margins, accepted or not) and of a TO run at the same setting are binned by
-    margin (equal-count bins of the pooled margins); in each bin the measured acceptance
-    difference (RS − TO) is compared in sign with the bin's mean margin. A bin with fewer than
-    `min_count` tokens of either run is dropped; one whose difference is within `z` standard
-    errors of 0 is unresolved (a tie at this sample size) and does not count either way."""
-    m_rs, a_rs = np.asarray(margin_rs, np.float64), np.asarray(accepted_rs, np.float64)
-    m_to, a_to = np.asarray(margin_to, np.float64), np.asarray(accepted_to, np.float64)
-    if m_rs.shape != a_rs.shape or m_to.shape != a_to.shape:
-        raise ValueError(
-            f"rule_check: margins and outcomes differ in shape: RS {m_rs.shape} vs "
-            f"{a_rs.shape}, TO {m_to.shape} vs {a_to.shape}"
-        )
-    pooled = np.concatenate([m_rs, m_to])
-    edges = np.unique(np.quantile(pooled, np.linspace(0, 1, bins + 1)))
-    b_rs = np.clip(np.searchsorted(edges, m_rs, "right") - 1, 0, len(edges) - 2)
-    b_to = np.clip(np.searchsorted(edges, m_to, "right") - 1, 0, len(edges) - 2)
-    rows = []
-    for b in range(len(edges) - 1):
-        r, t = a_rs[b_rs == b], a_to[b_to == b]
-        if r.size < min_count or t.size < min_count:
+    margin Σ_v min(p, q) − p(argmax q) > 0, against measured outcomes on the same tokens.
+
+    Per drafted token of a speculative run: `margin` and `diff`, a measured RS − TO acceptance
+    difference on that token: for a token of an RS run, accepted (0/1) − p(argmax q) (TO's
+    analytic acceptance there); of a TO run, Σ min(p, q) − accepted. Tokens are binned by margin
+    (equal-count bins); in each bin the mean `diff` is compared in sign with the mean margin. A
+    bin with fewer than `min_count` tokens is dropped; one whose mean is within `z` standard
+    errors of 0 is unresolved (a tie at this sample size). Tokens of one sequence are not
+    independent, so the standard error is optimistic; z = 3 leaves room for that and for
+    the number of bins.
+
+    What it tests: E[diff | token] equals the margin iff the sampler accepts each draft with its
+    rule's analytic probability, so a resolved bin of the wrong sign means the measured
+    acceptance departs from Σ min(p, q) / p(argmax q) (a sampler bug, or a q other than the one
+    the rule used), not chance. The rule itself is the identity 1 − TV(p, q) = Σ min(p, q)."""
+    margin, diff = np.asarray(margin, np.float64), np.asarray(diff, np.float64)
+    if margin.shape != diff.shape or margin.ndim != 1:
+        raise ValueError(f"rule_check: margin {margin.shape} and diff {diff.shape} differ")
+    if margin.size < min_count:
+        raise ValueError(f"rule_check: {margin.size} tokens, fewer than min_count={min_count}")
+    edges = np.unique(np.quantile(margin, np.linspace(0, 1, bins + 1)))
+    idx = np.clip(np.searchsorted(edges, margin, "right") - 1, 0, max(len(edges) - 2, 0))
+    rows, dropped = [], 0
+    for b in np.unique(idx):
+        m, d = margin[idx == b], diff[idx == b]
+        if d.size < min_count:
+            dropped += d.size
             continue
-        diff = r.mean() - t.mean()
-        se = np.sqrt(r.var() / r.size + t.var() / t.size)
-        margin = np.concatenate([m_rs[b_rs == b], m_to[b_to == b]]).mean()
-        rows.append((margin, diff, se, r.size + t.size))
-    margin, measured, se, tokens = np.array(rows, np.float64).reshape(-1, 4).T
+        rows.append((m.mean(), d.mean(), d.std(ddof=1) / np.sqrt(d.size), d.size))
+    m, measured, se, n = np.array(rows, np.float64).reshape(-1, 4).T
     resolved = np.abs(measured) > z * se
-    correct = resolved & (np.sign(measured) == np.sign(margin))
-    return RuleCheck(margin, measured, se, tokens.astype(np.int64), resolved, correct)
+    predicted = np.sign(np.where(np.abs(m) < 1e-6, 0.0, m))
+    correct = resolved & (predicted != 0) & (np.sign(measured) == predicted)
+    return RuleCheck(m, measured, se, n.astype(np.int64), resolved, correct, dropped)

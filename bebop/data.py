@@ -61,8 +61,11 @@ class ProcessRows:
     def __init__(self, ds: grain.MapDataset, batch_size: int, rows: Sequence[int] | None = None):
         self.ds, self.batch_size = ds, batch_size
         self.rows = np.arange(batch_size) if rows is None else np.asarray(rows, np.int64)
-        if self.rows.size == 0 or self.rows.min() < 0 or self.rows.max() >= batch_size:
-            raise ValueError(f"rows {self.rows.tolist()} are not rows of a batch of {batch_size}")
+        r = self.rows
+        if r.size == 0 or r.min() < 0 or r.max() >= batch_size or (np.diff(r) <= 0).any():
+            raise ValueError(
+                f"rows {r.tolist()} are not sorted distinct rows of a batch of {batch_size}"
+            )
 
     def __len__(self) -> int:
         return len(self.ds) // self.batch_size

@@ -196,7 +196,10 @@ def run(cfg: RunConfig, workdir: Path, mesh, stop_at_step: int | None = None) ->
     if m.eval_mixed_prompts:
         eval_sets["mixed/"] = prompts.prompt_ids(cfg, tok, m.eval_mixed_prompts, "eval", "mixed")
 
+    # Sets of one size share the compiled samplers at one width; else each keeps its own.
+    one_size = len({len(ids) for ids in eval_sets.values()}) == 1
     width = max(sampling.pad_prompts(ids, tok.pad_id)[0].shape[1] for ids in eval_sets.values())
+    width = width if one_size else 0
 
     def eval_fn(state):
         res = {}

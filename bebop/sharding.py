@@ -150,24 +150,25 @@ def shard_batch(batch, mesh: Mesh):
 def process_rows(mesh: Mesh, batch_size: int) -> np.ndarray:
     """The rows of a global batch of `batch_size` that this process's devices hold under
     `batch_sharding` (sorted; every row with one process or a replicated batch): what a data
-    loader of this process reads (`data.ProcessRows`)."""
+    loader of this process reads (`data.ProcessRows`), in the order
+    `make_array_from_process_local_data` expects them (its shards by start row)."""
     index_map = batch_sharding(mesh, 1, batch_size).addressable_devices_indices_map((batch_size,))
-    rows = sorted({r for idx in index_map.values() for r in range(*idx[0].indices(batch_size))})
-    if rows != list(range(rows[0], rows[-1] + 1)):
-        raise ValueError(
-            f"this process holds rows {rows} of a batch of {batch_size}: not one block (the mesh "
-            f"{dict(mesh.shape)} interleaves processes along the batch axes)"
-        )
+    rows = rows_of(index_map.values(), batch_size)
     if jax.process_count() > 1:
         logging.info(
-            "process %d of %d reads rows %d..%d of each global batch of %d",
+            "process %d of %d reads rows %s of each global batch of %d",
             jax.process_index(),
             jax.process_count(),
-            rows[0],
-            rows[-1],
+            f"{rows[0]}..{rows[-1]}" if rows[-1] - rows[0] + 1 == len(rows) else rows.tolist(),
             batch_size,
         )
-    return np.asarray(rows)
+    return rows
+
+
+def rows_of(indices, batch_size: int) -> np.ndarray:
+    """Sorted distinct rows covered by device indices (tuples whose first entry is a slice of
+    the batch axis)."""
+    return np.asarray(sorted({r for idx in indices for r in range(*idx[0].indices(batch_size))}))
 
 
 def batch_from_process_rows(local, mesh: Mesh, batch_size: int):

@@ -75,6 +75,7 @@ class SpecConfig:
     record: bool = False  # also return backbone hiddens and per-cycle accept lengths (GrowMTP)
     # Also record, per drafted position, the analytic acceptance the *other* rule would have had
     # for the same p and MTP distribution (`SpecStats.overlap_other`; the RS-vs-TO analysis).
+    # At draft k >= 2 that q is conditioned on this rule's own earlier drafts.
     other_rule: bool = False
 
 

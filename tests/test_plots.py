@@ -46,31 +46,33 @@ def _png_size(path):
 
 
 def test_rule_check_finds_the_winner_where_the_margin_says_and_not_where_it_lies():
-    """Synthetic drafted tokens with known acceptance under each rule: RS accepts with α_RS, TO
-    with α_TO, the margin is α_RS − α_TO (uniform in ±0.4). 20,000 tokens per run: every bin with
-    |margin| above ~0.05 is resolved (s.e. ≈ 0.02), and the rule picks its winner in all of them.
-    With the two runs mislabelled it is wrong in every resolved bin; with equal acceptance
-    (margins unrelated to the outcomes) few bins are resolved."""
+    """Synthetic drafted tokens with known acceptance under each rule (α_TO ~ U[0.4, 0.6],
+    margin α_RS − α_TO ~ U[−0.4, 0.4]); half from an "RS run" (accepted ~ Bernoulli(α_RS), diff =
+    accepted − α_TO), half from a "TO run" (diff = α_RS − accepted ~ Bernoulli(α_TO)). 40,000
+    tokens, 20 bins of 2,000 (s.e. ≈ 0.011): the bins with |margin| above ~0.05 are resolved
+    at z = 3 and the rule is right in all of them. A sampler whose RS run accepted at TO's rate
+    minus the margin (the rule reversed) is wrong in every resolved bin; one whose acceptance
+    equals the other rule's leaves the bins unresolved."""
     rng = np.random.default_rng(0)
     n = 20_000
+    m_rs, m_to = rng.uniform(-0.4, 0.4, n), rng.uniform(-0.4, 0.4, n)
+    a_to_rs, a_to_to = rng.uniform(0.4, 0.6, n), rng.uniform(0.4, 0.6, n)
 
-    def run(rs: bool):
-        margin = rng.uniform(-0.4, 0.4, n)
-        a_to = rng.uniform(0.4, 0.6, n)
-        p = a_to + margin if rs else a_to
-        return margin, (rng.uniform(size=n) < p).astype(float)
+    def check(p_rs_run, p_to_run):  # acceptance probabilities the "sampler" really used
+        acc_rs, acc_to = rng.uniform(size=n) < p_rs_run, rng.uniform(size=n) < p_to_run
+        diff = np.concatenate([acc_rs - a_to_rs, (a_to_to + m_to) - acc_to])
+        return analysis.rule_check(np.concatenate([m_rs, m_to]), diff, bins=20)
 
-    (m_rs, a_rs), (m_to, a_to) = run(True), run(False)
-    chk = analysis.rule_check(m_rs, a_rs, m_to, a_to, bins=20)
-    assert len(chk.margin) == 20 and chk.tokens.sum() == 2 * n
-    assert chk.accuracy == 1.0 and chk.resolved_share > 0.8
-    np.testing.assert_allclose(chk.measured, chk.margin, atol=5 * chk.se.max())
-    swapped = analysis.rule_check(m_to, a_to, m_rs, a_rs, bins=20)  # runs mislabelled
-    assert swapped.accuracy == 0.0 and swapped.resolved_share > 0.8
-    null = analysis.rule_check(rng.permutation(m_rs), a_to, m_to, (rng.uniform(size=n) < 0.5))
-    assert null.resolved_share < 0.3
-    with pytest.raises(ValueError, match="differ in shape"):
-        analysis.rule_check(m_rs, a_rs[:-1], m_to, a_to)
+    chk = check(a_to_rs + m_rs, a_to_to)  # exact samplers
+    assert len(chk.margin) == 20 and chk.tokens.sum() == 2 * n and chk.dropped == 0
+    assert chk.accuracy == 1.0 and chk.resolved_share > 0.7
+    np.testing.assert_allclose(chk.measured, chk.margin, atol=4 * chk.se.max())
+    reversed_ = check(a_to_rs - m_rs, a_to_to + 2 * m_to)
+    assert reversed_.accuracy == 0.0 and reversed_.resolved_share > 0.7
+    null = check(a_to_rs, a_to_to + m_to)  # each run accepted at the other rule's rate
+    assert null.resolved_share < 0.1
+    with pytest.raises(ValueError, match="differ"):
+        analysis.rule_check(m_rs, m_rs[:-1])
 
 
 def test_plots_draw_every_series_into_a_png(tmp_path):

@@ -80,6 +80,11 @@ def test_process_rows_split_global_batches_into_per_process_blocks(devices, tmp_
     mesh = sharding.make_mesh(MeshConfig(data=4, fsdp=2), devices)
     np.testing.assert_array_equal(sharding.process_rows(mesh, 16), np.arange(16))
     np.testing.assert_array_equal(sharding.process_rows(mesh, 6), np.arange(6))  # replicated
+    # a process's devices as a batch-sharded index map shows them: 2 devices of 4 rows each,
+    # interleaved with another process's (rows 4..7), and a replicated batch (slice(None))
+    shards = [(slice(0, 4), slice(None)), (slice(8, 12), slice(None))]
+    np.testing.assert_array_equal(sharding.rows_of(shards, 16), [0, 1, 2, 3, 8, 9, 10, 11])
+    np.testing.assert_array_equal(sharding.rows_of([(slice(None),)] * 2, 6), np.arange(6))
     rng = np.random.default_rng(0)
     np.save(tmp_path / "tokens.npy", rng.integers(0, 50, (13, 5)).astype(np.int32))
     np.save(tmp_path / "mask.npy", rng.random((13, 5)).astype(np.float32))
@@ -103,8 +108,9 @@ def test_process_rows_split_global_batches_into_per_process_blocks(devices, tmp_
                 np.testing.assert_array_equal(joined, full[i][key], err_msg=f"{name} {key} {i}")
                 np.testing.assert_array_equal(make(None)[i][key], full[i][key])
         assert halves[1][0]["tokens"].shape[0] == 4
-    with pytest.raises(ValueError, match="not rows of a batch of 8"):
-        data.ProcessRows(sources["sft"][0], 8, [6, 8])
+    for bad in ([6, 8], [3, 2], [1, 1]):
+        with pytest.raises(ValueError, match="not sorted distinct rows of a batch of 8"):
+            data.ProcessRows(sources["sft"][0], 8, bad)
     batch = {"tokens": np.arange(16 * 3).reshape(16, 3)}
     placed = sharding.batch_from_process_rows(batch, mesh, 16)["tokens"]
     assert placed.sharding == sharding.shard_batch(batch, mesh)["tokens"].sharding

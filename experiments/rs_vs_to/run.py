@@ -5,10 +5,12 @@ One policy, one trained MTP, the same held-out task prompts; per temperature, th
 and both rules (γ = 3) are timed side by side (tokens/s, speedup over plain, accept length). A
 second, untimed pass of each speculative setting records per drafted token both rules' analytic
 acceptance for that position's p and MTP distribution (`SpecConfig.other_rule`: Σ min(p, q) for
-RS, p(argmax q) for TO) and whether the draft was accepted; the recording changes no token (the
-script checks). The rule predicts per token which rule accepts more (margin Σ min(p, q) −
-p(argmax q) > 0: RS); `analysis.rule_check` tests it on the two runs' measured outcomes (tokens
-binned by margin; per bin the measured RS − TO acceptance against the predicted sign).
+RS, p(argmax q) for TO; at draft k ≥ 2 the MTP's q is conditioned on the run's own earlier
+drafts) and whether the draft was accepted; the recording should change no token (the script
+counts rows that differ). The rule predicts per token which rule accepts more (margin
+Σ min(p, q) − p(argmax q) > 0: RS); `analysis.rule_check` compares it, on the same tokens, with
+the measured acceptance of the rule that ran minus the other rule's analytic one (tokens
+binned by margin; per bin the sign of the mean).
 
     python experiments/rs_vs_to/run.py --model demo --workdir runs/demo
     python experiments/rs_vs_to/run.py --model smollm2 --mtp_ckpt runs/mtp_smollm2/mtp/ckpt \\
@@ -42,7 +44,7 @@ from benchmarks.rollout import batches, load_models, timed_pass  # noqa: E402
 HERE = Path(__file__).resolve().parent
 RULES = ("rejection", "target_only")
 LABEL = {"rejection": "RS", "target_only": "TO"}
-BINS = 10  # margin bins per temperature (20 for all temperatures pooled)
+BINS = 10  # margin bins per temperature, both runs' tokens (20 for all temperatures pooled)
 
 
 def per_token(outs, rule: str) -> dict:
@@ -53,11 +55,15 @@ def per_token(outs, rule: str) -> dict:
     drafted = speculative.draft_positions(st.status) >= 0
     own, other = np.asarray(st.overlap)[drafted], np.asarray(st.overlap_other)[drafted]
     a_rs, a_to = (own, other) if rule == "rejection" else (other, own)
+    accepted = (np.asarray(st.status)[drafted] == speculative.ACCEPTED).astype(np.float64)
     return {
         "margin": a_rs - a_to,
+        # measured RS − TO acceptance on the same token: the rule that ran is measured, the
+        # other one is its analytic acceptance there (`analysis.rule_check`)
+        "diff": accepted - a_to if rule == "rejection" else a_rs - accepted,
         "alpha_rs": a_rs,
         "alpha_to": a_to,
-        "accepted": (np.asarray(st.status)[drafted] == speculative.ACCEPTED).astype(np.float64),
+        "accepted": accepted,
         "summary": speculative.summarize(pooled),
         "tokens": np.asarray(pooled.sample.tokens),
     }
@@ -125,9 +131,11 @@ def main():
                 [jax.device_get(spec(t, ln, i, record=True)) for i, (t, ln) in enumerate(parts)],
                 rule,
             )
-            same = np.concatenate([np.asarray(o.sample.tokens) for o in timed])
-            if not np.array_equal(same, rec["tokens"]):
-                raise RuntimeError(f"recording both rules changed {rule}'s tokens at T={temp}")
+            timed_toks = np.concatenate([np.asarray(o.sample.tokens) for o in timed])
+            differ = float((timed_toks != rec["tokens"]).any(axis=1).mean())
+            if differ:  # two compiled programs: a float near-tie may flip a token
+                print(f"warning: {differ:.1%} of rows differ between the timed and the "
+                      f"recorded {rule} pass at T={temp}", flush=True)  # fmt: skip
             s = rec["summary"]
             by_rule[rule] = rec
             rows.append(
@@ -147,6 +155,7 @@ def main():
                     "rs_predicted_share": float((rec["margin"] > 0).mean()),
                     "to_predicted_share": float((rec["margin"] < 0).mean()),
                     "drafted_tokens": int(rec["accepted"].size),
+                    "rows_differing_from_timed": differ,
                     "mean_entropy": s["mean_entropy"],
                 }
             )
@@ -163,9 +172,9 @@ def main():
 
     checks = {}
     for temp, by_rule in tokens_by_t.items():
-        rs, to = by_rule["rejection"], by_rule["target_only"]
         c = analysis.rule_check(
-            rs["margin"], rs["accepted"], to["margin"], to["accepted"], bins=BINS
+            *(np.concatenate([r[k] for r in by_rule.values()]) for k in ("margin", "diff")),
+            bins=BINS,
         )
         checks[temp] = c
         print(
@@ -174,9 +183,8 @@ def main():
             flush=True,
         )
     pooled = [
-        np.concatenate([tokens_by_t[t][r][k] for t in temps])
-        for r in RULES
-        for k in ("margin", "accepted")
+        np.concatenate([tokens_by_t[t][r][k] for t in temps for r in RULES])
+        for k in ("margin", "diff")
     ]
     pooled_check = analysis.rule_check(*pooled, bins=2 * BINS)
 
@@ -217,7 +225,7 @@ def main():
         HERE / f"{name}_decision_rule.png",
         curves,
         "predicted margin Σ min(p, q) − p(argmax q) (bin mean)",
-        "measured acceptance, RS − TO (bin)",
+        "measured − other rule's analytic acceptance, as RS − TO (bin mean)",
         f"Decision rule per drafted token: {setting}",
     )
 
@@ -225,6 +233,7 @@ def main():
         return {
             "accuracy": c.accuracy,
             "resolved_share": c.resolved_share,
+            "dropped_tokens": c.dropped,
             "bins": [
                 {"margin": float(m), "measured": float(d), "se": float(e), "tokens": int(n)}
                 for m, d, e, n in zip(c.margin, c.measured, c.se, c.tokens, strict=True)
