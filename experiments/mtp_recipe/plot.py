@@ -1,11 +1,13 @@
 """Learning curves of one run of the SmolLM2 MTP recipe (`configs/mtp_smollm2.py`).
 
 Reads `DIR/mtp/metrics.jsonl` and draws, against the training step: the held-out accept length
-(RS and TO on wordmath prompts, RS on mixed chat; γ = 3, T = 1), the held-out RS acceptance per
-draft position, and the training batches' own per-position α (teacher-forced, analytic). Writes
-`curves.png`, `per_position.png` and `results.json` here. Last line: JSON.
+(RS and TO on wordmath prompts, RS on mixed chat; γ = 3, at the run's rollout temperature), the
+held-out RS acceptance per draft position, and the training batches' own per-position α
+(teacher-forced, analytic). Writes `<prefix>curves.png`, `<prefix>per_position.png` and
+`<prefix>results.json` here. Last line: JSON.
 
-    python experiments/mtp_recipe/plot.py [--workdir runs/mtp_smollm2]
+    python experiments/mtp_recipe/plot.py --workdir runs/mtp_1500                # 2-digit, T = 1
+    python experiments/mtp_recipe/plot.py --workdir runs/mtp_smollm2 --prefix rl_task_
 """
 
 from __future__ import annotations
@@ -23,7 +25,13 @@ sys.path.insert(0, str(REPO))
 from bebop import plots  # noqa: E402
 
 HERE = Path(__file__).resolve().parent
-SETTING = "SmolLM2 MTP (e2e TV, 1536 distilled answers), γ = 3, T = 1"
+
+
+def setting(workdir: Path) -> str:
+    """The run's recipe in a title, from its config.json."""
+    c = json.loads((workdir / "config.json").read_text())
+    data = f"{c['distill']['num_samples']} {c['task']['digits']}-digit answers"
+    return f"SmolLM2 MTP ({c['mtp']['loss']}, {data}), γ = 3, T = {c['rollout']['temperature']:g}"
 
 
 def windowed(x, y, width: int):
@@ -37,8 +45,10 @@ def windowed(x, y, width: int):
 def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--workdir", default="runs/mtp_smollm2")
+    ap.add_argument("--prefix", default="", help="of the output files")
     args = ap.parse_args()
     records = plots.read_metrics(REPO / args.workdir / "mtp" / "metrics.jsonl")
+    title = setting(REPO / args.workdir)
     held_out = {
         "RS, wordmath": "eval/rejection/accept_len",
         "TO, wordmath": "eval/target_only/accept_len",
@@ -48,11 +58,11 @@ def main():
     x, y = plots.series(records, "accept_len")  # training batches, teacher-forced
     curves["training batches (analytic)"] = windowed(x, y, 150)
     plots.lines(
-        HERE / "curves.png",
+        HERE / f"{args.prefix}curves.png",
         curves,
         "MTP training step",
         "accept length (tokens / verify)",
-        f"{SETTING}: held-out prompts",
+        f"{title}: held-out",
     )
     per_pos = {}
     for k in (1, 2, 3):
@@ -62,17 +72,17 @@ def main():
         x, y = plots.series(records, f"alpha_{k}")
         per_pos[f"training α, position {k}"] = windowed(x, y, 150)
     plots.lines(
-        HERE / "per_position.png",
+        HERE / f"{args.prefix}per_position.png",
         per_pos,
         "MTP training step",
         "acceptance at draft position k",
-        f"{SETTING}: per position",
+        f"{title}: per position",
     )
     out = {
         label: [[float(a), float(b)] for a, b in zip(*c, strict=True)]
         for label, c in curves.items()
     }
-    (HERE / "results.json").write_text(
+    (HERE / f"{args.prefix}results.json").write_text(
         json.dumps({"workdir": args.workdir, "curves": out}, indent=1)
     )
     print(json.dumps({label: c[-1] for label, c in out.items()}))
