@@ -98,14 +98,15 @@ class RuleCheck:
     measured: np.ndarray  # mean paired difference: measured RS − TO acceptance, same tokens
     se: np.ndarray  # its standard error (ddof 1)
     tokens: np.ndarray  # drafted tokens in the bin
-    resolved: np.ndarray  # |measured| > z · se: the bin has a measured winner
-    correct: np.ndarray  # resolved, a predicted winner (margin ≠ 0), and it is the measured one
+    resolved: np.ndarray  # a measured winner: |measured| > z · se and ≥ min_effect
+    decided: np.ndarray  # resolved and a predicted winner (|margin| ≥ min_effect)
+    correct: np.ndarray  # decided, and the predicted winner is the measured one
     dropped: int  # tokens in bins with fewer than `min_count` tokens
 
     @property
     def accuracy(self) -> float:
-        """Token-weighted share of resolved bins whose winner the rule predicted."""
-        n = self.tokens[self.resolved].sum()
+        """Token-weighted share of the decided bins whose measured winner the rule predicted."""
+        n = self.tokens[self.decided].sum()
         return float(self.tokens[self.correct].sum() / n) if n else float("nan")
 
     @property
@@ -114,18 +115,22 @@ class RuleCheck:
         return float(self.tokens[self.resolved].sum() / max(self.tokens.sum() + self.dropped, 1))
 
 
-def rule_check(margin, diff, bins: int = 20, min_count: int = 30, z: float = 3.0) -> RuleCheck:
+def rule_check(
+    margin, diff, bins: int = 20, min_count: int = 30, z: float = 3.0, min_effect: float = 1e-3
+) -> RuleCheck:
     """Bebop's decision rule, RS beats TO where TV(p, q) < 1 − p(argmax q), i.e. where the
     margin Σ_v min(p, q) − p(argmax q) > 0, against measured outcomes on the same tokens.
 
     Per drafted token of a speculative run: `margin` and `diff`, a measured RS − TO acceptance
     difference on that token: for a token of an RS run, accepted (0/1) − p(argmax q) (TO's
     analytic acceptance there); of a TO run, Σ min(p, q) − accepted. Tokens are binned by margin
-    (equal-count bins); in each bin the mean `diff` is compared in sign with the mean margin. A
-    bin with fewer than `min_count` tokens is dropped; one whose mean is within `z` standard
-    errors of 0 is unresolved (a tie at this sample size). Tokens of one sequence are not
-    independent, so the standard error is optimistic; z = 3 leaves room for that and for
-    the number of bins.
+    (equal-count bins); in each bin the mean `diff` is compared in sign with the mean margin
+    (`judge_bins`). A bin with fewer than `min_count` tokens is dropped; one whose mean is within
+    `z` standard errors of 0, or below `min_effect` in size, is unresolved (a tie at this sample
+    size, or a difference of no practical size: near-certain drafts give float-level
+    differences with tiny standard errors); a bin whose margin is below `min_effect` predicts no
+    winner. Tokens of one sequence are not independent, so the standard error is optimistic;
+    z = 3 leaves room for that and for the number of bins.
 
     What it tests: E[diff | token] equals the margin iff the sampler accepts each draft with its
     rule's analytic probability, so a resolved bin of the wrong sign means the measured
@@ -146,7 +151,15 @@ def rule_check(margin, diff, bins: int = 20, min_count: int = 30, z: float = 3.0
             continue
         rows.append((m.mean(), d.mean(), d.std(ddof=1) / np.sqrt(d.size), d.size))
     m, measured, se, n = np.array(rows, np.float64).reshape(-1, 4).T
-    resolved = np.abs(measured) > z * se
-    predicted = np.sign(np.where(np.abs(m) < 1e-6, 0.0, m))
-    correct = resolved & (predicted != 0) & (np.sign(measured) == predicted)
-    return RuleCheck(m, measured, se, n.astype(np.int64), resolved, correct, dropped)
+    return judge_bins(m, measured, se, n, dropped, z, min_effect)
+
+
+def judge_bins(margin, measured, se, tokens, dropped=0, z=3.0, min_effect=1e-3) -> RuleCheck:
+    """The verdicts of `rule_check` from its per-bin means (e.g. a saved result, re-judged)."""
+    m, measured, se = (np.asarray(a, np.float64) for a in (margin, measured, se))
+    resolved = (np.abs(measured) > z * se) & (np.abs(measured) >= min_effect)
+    predicted = np.where(np.abs(m) >= min_effect, np.sign(m), 0.0)
+    decided = resolved & (predicted != 0)
+    correct = decided & (np.sign(measured) == predicted)
+    tokens = np.asarray(tokens).astype(np.int64)
+    return RuleCheck(m, measured, se, tokens, resolved, decided, correct, int(dropped))

@@ -73,6 +73,10 @@ def test_rule_check_finds_the_winner_where_the_margin_says_and_not_where_it_lies
     assert null.resolved_share < 0.1
     with pytest.raises(ValueError, match="differ"):
         analysis.rule_check(m_rs, m_rs[:-1])
+    # near-certain drafts: float-level differences with tiny standard errors are no winner, and
+    # a float-level margin predicts none
+    tiny = analysis.judge_bins([-1e-7, -2e-6, 0.1], [6e-7, -1e-6, 0.1], [1e-8, 1e-8, 0.01], [9] * 3)
+    assert tiny.resolved.tolist() == [False, False, True] and tiny.accuracy == 1.0
 
 
 def test_plots_draw_every_series_into_a_png(tmp_path):

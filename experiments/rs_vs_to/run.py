@@ -69,6 +69,56 @@ def per_token(outs, rule: str) -> dict:
     }
 
 
+def check_json(c: analysis.RuleCheck) -> dict:
+    return {
+        "accuracy": c.accuracy,
+        "resolved_share": c.resolved_share,
+        "decided_bins": int(c.decided.sum()),
+        "dropped_tokens": c.dropped,
+        "bins": [
+            {"margin": float(m), "measured": float(d), "se": float(e), "tokens": int(n)}
+            for m, d, e, n in zip(c.margin, c.measured, c.se, c.tokens, strict=True)
+        ],
+    }
+
+
+def plot_rule(path: Path, checks: dict, setting: str) -> None:
+    """Per temperature (T -> RuleCheck), measured vs predicted per margin bin, and y = x."""
+    curves = {f"T = {t}": (c.margin, c.measured) for t, c in checks.items() if len(c.margin)}
+    if not curves:
+        raise RuntimeError(f"too few drafted tokens for the decision-rule bins: {setting}")
+    lo = min(float(c[0].min()) for c in curves.values())
+    hi = max(float(c[0].max()) for c in curves.values())
+    curves["prediction (y = x)"] = ([lo, hi], [lo, hi])
+    plots.lines(
+        path,
+        curves,
+        "predicted margin Σ min(p, q) − p(argmax q) (bin mean)",
+        "measured RS − TO acceptance (bin mean)",
+        f"Decision rule per drafted token: {setting}",
+    )
+
+
+def rejudge(path: Path) -> None:
+    """Re-judges the saved per-bin means with the current `analysis.judge_bins` (the bins do not
+    depend on the verdict's thresholds), rewriting the file and the decision-rule plot; prints
+    the file as the last line."""
+    res = json.loads(path.read_text())
+    judged = {}
+    for t, c in [*res["decision_rule"].items(), ("pooled", res["decision_rule_pooled"])]:
+        b = c["bins"]
+        cols = [[x[k] for x in b] for k in ("margin", "measured", "se", "tokens")]
+        judged[t] = analysis.judge_bins(*cols, c.get("dropped_tokens", 0))
+        c.update(check_json(judged[t]))
+    path.write_text(json.dumps(res, indent=1) + "\n")
+    del judged["pooled"]
+    setting = (
+        f"{res['model']}, γ = {res['gamma']}, batch {res['batch']}, {res['prompts']} task prompts"
+    )
+    plot_rule(path.parent / f"{res['model']}_decision_rule.png", judged, setting)
+    print(json.dumps(res))
+
+
 def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--model", choices=["demo", "smollm2"], default="demo")
@@ -83,7 +133,14 @@ def main():
     )
     ap.add_argument("--num_prompts", type=int, default=0, help="0: demo 256, smollm2 16")
     ap.add_argument("--new_tokens", type=int, default=0, help="0: demo 40, smollm2 64")
+    ap.add_argument(
+        "--rejudge",
+        action="store_true",
+        help="only re-judge the decision-rule bins of results_<model>.json (analysis.judge_bins)",
+    )
     args = ap.parse_args()
+    if args.rejudge:
+        return rejudge(HERE / f"results_{args.model}.json")
     args.prompts = "task"
     demo = args.model == "demo"
     args.num_prompts = args.num_prompts or (256 if demo else 16)
@@ -215,30 +272,7 @@ def main():
         "tokens/s over the plain sampler",
         f"Speedup vs temperature: {setting}",
     )
-    curves = {f"T = {t}": (c.margin, c.measured) for t, c in checks.items() if len(c.margin)}
-    if not curves:
-        raise RuntimeError(f"too few drafted tokens for the decision-rule bins: {setting}")
-    lo = min(float(c[0].min()) for c in curves.values())
-    hi = max(float(c[0].max()) for c in curves.values())
-    curves["prediction (y = x)"] = ([lo, hi], [lo, hi])
-    plots.lines(
-        HERE / f"{name}_decision_rule.png",
-        curves,
-        "predicted margin Σ min(p, q) − p(argmax q) (bin mean)",
-        "measured − other rule's analytic acceptance, as RS − TO (bin mean)",
-        f"Decision rule per drafted token: {setting}",
-    )
-
-    def check_json(c):
-        return {
-            "accuracy": c.accuracy,
-            "resolved_share": c.resolved_share,
-            "dropped_tokens": c.dropped,
-            "bins": [
-                {"margin": float(m), "measured": float(d), "se": float(e), "tokens": int(n)}
-                for m, d, e, n in zip(c.margin, c.measured, c.se, c.tokens, strict=True)
-            ],
-        }
+    plot_rule(HERE / f"{name}_decision_rule.png", checks, setting)
 
     result = {
         "study": "rs_vs_to",
