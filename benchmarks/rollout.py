@@ -74,6 +74,16 @@ def load_models(args, mesh):
     return (pol_gd, pol_params), (mtp_gd, mtp_params), vocab, tok, ids, source
 
 
+def sampling_config(tok, temperature: float, new_tokens: int) -> sampling.SamplingConfig:
+    """The benchmarks' sampling: `temperature`, `new_tokens` at most, the tokenizer's EOS/pad."""
+    return sampling.SamplingConfig(
+        temperature=temperature,
+        max_new_tokens=new_tokens,
+        eos_ids=tuple(tok.eos_ids),
+        pad_id=tok.pad_id,
+    )
+
+
 def batches(toks_NxP, lens_N, b):
     """Batches of `b` rows cycling through the prompt set until every prompt ran once."""
     n = toks_NxP.shape[0]
@@ -130,12 +140,7 @@ def main():
             pol, layers, mtp, vocab, b, int(all_toks.shape[1]) + args.new_tokens // 2, gammas
         )
         for temp in temps:
-            scfg = sampling.SamplingConfig(
-                temperature=temp,
-                max_new_tokens=args.new_tokens,
-                eos_ids=tuple(tok.eos_ids),
-                pad_id=tok.pad_id,
-            )
+            scfg = sampling_config(tok, temp, args.new_tokens)
             keys = jax.random.split(jax.random.key(0), len(parts))
 
             def plain(t, ln, i, scfg=scfg, keys=keys):

@@ -39,7 +39,7 @@ sys.path.insert(0, str(REPO))
 
 from bebop import analysis, model, plots, sampling, sharding, speculative  # noqa: E402
 from bebop import config as config_lib  # noqa: E402
-from benchmarks.rollout import batches, load_models, timed_pass  # noqa: E402
+from benchmarks.rollout import batches, load_models, sampling_config, timed_pass  # noqa: E402
 
 HERE = Path(__file__).resolve().parent
 RULES = ("rejection", "target_only")
@@ -161,12 +161,7 @@ def main():
 
     rows, tokens_by_t = [], {}
     for temp in temps:
-        scfg = sampling.SamplingConfig(
-            temperature=temp,
-            max_new_tokens=args.new_tokens,
-            eos_ids=tuple(tok.eos_ids),
-            pad_id=tok.pad_id,
-        )
+        scfg = sampling_config(tok, temp, args.new_tokens)
 
         def plain(t, ln, i, scfg=scfg):
             return sampling.sample_jit(*pol, t, ln, keys[i], scfg, layers)
