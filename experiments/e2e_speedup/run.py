@@ -39,7 +39,7 @@ import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
-from bebop import (  # noqa: E402  # noqa: E402
+from bebop import (  # noqa: E402
     compaction,
     model,
     plots,
