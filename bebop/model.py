@@ -129,13 +129,16 @@ class Attention(nnx.Module):
         cfg = self.cfg
         cdt = DTYPES[cfg.dtype]
         x_BxTxD = x_BxTxD.astype(cdt)
-        q = jnp.einsum("btd,dhe->bthe", x_BxTxD, compute_weight(self.wq, cdt))
-        k = jnp.einsum("btd,dke->btke", x_BxTxD, compute_weight(self.wk, cdt))
-        v = jnp.einsum("btd,dke->btke", x_BxTxD, compute_weight(self.wv, cdt))
-        if cfg.qkv_bias:
-            q = q + compute_weight(self.bq, cdt)
-            k = k + compute_weight(self.bk, cdt)
-            v = v + compute_weight(self.bv, cdt)
+        if hasattr(self, "wqkv"):  # the decode layout (`fuse`)
+            q, k, v = self._fused_qkv(x_BxTxD, cdt)
+        else:
+            q = jnp.einsum("btd,dhe->bthe", x_BxTxD, compute_weight(self.wq, cdt))
+            k = jnp.einsum("btd,dke->btke", x_BxTxD, compute_weight(self.wk, cdt))
+            v = jnp.einsum("btd,dke->btke", x_BxTxD, compute_weight(self.wv, cdt))
+            if cfg.qkv_bias:
+                q = q + compute_weight(self.bq, cdt)
+                k = k + compute_weight(self.bk, cdt)
+                v = v + compute_weight(self.bv, cdt)
         if cfg.qk_norm:
             q, k = self.q_norm(q), self.k_norm(k)
         q = rope(q, positions_BxT, cfg.rope_theta)
@@ -160,6 +163,33 @@ class Attention(nnx.Module):
         # layout that transposed a copy of `wo` on every decode step.
         return out_BxTxHDh @ compute_weight(self.wo, cdt).reshape(h * dh, -1), new_kv
 
+    def fuse(self):
+        """In place: the decode layout, q, k and v projected by one `[D, (H + 2K) Dh]` matrix
+        (and one bias). At batch 1 a decode step is a chain of matrix-vector products, and on
+        CPU one product over the concatenated matrix streams the weights faster than three
+        (`benchmarks/decode.py`; the README's engine section has the figures)."""
+        d = self.cfg.dim
+        names = ("wq", "wk", "wv")
+        self.wqkv = nnx.Param(
+            jnp.concatenate([getattr(self, n)[...].reshape(d, -1) for n in names], 1)
+        )
+        if self.cfg.qkv_bias:
+            bs = ("bq", "bk", "bv")
+            self.bqkv = nnx.Param(jnp.concatenate([getattr(self, n)[...].reshape(-1) for n in bs]))
+            names += bs
+        for n in names:
+            delattr(self, n)
+
+    def _fused_qkv(self, x_BxTxD, cdt):
+        cfg = self.cfg
+        h, kh, dh = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
+        qkv = x_BxTxD @ compute_weight(self.wqkv, cdt)
+        if cfg.qkv_bias:
+            qkv = qkv + compute_weight(self.bqkv, cdt)
+        b, t = x_BxTxD.shape[:2]
+        q, k, v = jnp.split(qkv, [h * dh, (h + kh) * dh], axis=-1)
+        return q.reshape(b, t, h, dh), k.reshape(b, t, kh, dh), v.reshape(b, t, kh, dh)
+
 
 class MLP(nnx.Module):
     def __init__(self, cfg: ModelConfig, rngs: nnx.Rngs):
@@ -172,9 +202,18 @@ class MLP(nnx.Module):
     def __call__(self, x_BxTxD):
         cdt = DTYPES[self.cfg.dtype]
         x_BxTxD = x_BxTxD.astype(cdt)
-        gate_BxTxF = jax.nn.silu(x_BxTxD @ compute_weight(self.w_gate, cdt))
-        up_BxTxF = x_BxTxD @ compute_weight(self.w_up, cdt)
-        return (gate_BxTxF * up_BxTxF) @ compute_weight(self.w_down, cdt)
+        if hasattr(self, "w_gate_up"):  # the decode layout (`fuse`)
+            gate_BxTxF, up_BxTxF = jnp.split(x_BxTxD @ compute_weight(self.w_gate_up, cdt), 2, -1)
+        else:
+            gate_BxTxF = x_BxTxD @ compute_weight(self.w_gate, cdt)
+            up_BxTxF = x_BxTxD @ compute_weight(self.w_up, cdt)
+        return (jax.nn.silu(gate_BxTxF) * up_BxTxF) @ compute_weight(self.w_down, cdt)
+
+    def fuse(self):
+        """In place: the decode layout, gate and up as one `[D, 2F]` matrix (see
+        `Attention.fuse`)."""
+        self.w_gate_up = nnx.Param(jnp.concatenate([self.w_gate[...], self.w_up[...]], axis=1))
+        del self.w_gate, self.w_up
 
 
 class Block(nnx.Module):
@@ -218,21 +257,25 @@ def run_blocks(
     blocks: Block, x_BxTxD, positions_BxT, kv=None, offsets_B=None, scan=False, layers=None
 ):
     """Applies stacked blocks in order. `kv` is `(k, v)`, each a tuple of per-layer `[B, K, S, Dh]`
-    arrays, or None. `layers`: per-layer states (`DecodeWeights.layers`), made once outside a
-    decode loop. Only a cacheless call with `scan` and no `layers` scans."""
+    arrays, or None. `layers`: the `DecodeWeights` made once outside a decode loop (its per-layer
+    blocks are run instead of `blocks`' slices). Only a cacheless call with `scan` and no
+    `layers` scans."""
     graphdef, state = nnx.split(blocks)
     num = jax.tree.leaves(state)[0].shape[0]
 
-    def layer(x, layer_state, layer_kv):
-        return nnx.merge(graphdef, layer_state)(x, positions_BxT, layer_kv, offsets_B)
+    def layer(x, layer_gd, layer_state, layer_kv):
+        return nnx.merge(layer_gd, layer_state)(x, positions_BxT, layer_kv, offsets_B)
 
     if scan and kv is None and layers is None:
-        return jax.lax.scan(lambda x, s: layer(x, s, None), x_BxTxD, state)
+        return jax.lax.scan(lambda x, s: layer(x, graphdef, s, None), x_BxTxD, state)
     new_k, new_v = [], []
     for i in range(num):
         layer_kv = None if kv is None else (kv[0][i], kv[1][i])
-        layer_state = layers[i] if layers is not None else jax.tree.map(lambda a, i=i: a[i], state)
-        x_BxTxD, out_kv = layer(x_BxTxD, layer_state, layer_kv)
+        if layers is None:
+            layer_gd, layer_state = graphdef, jax.tree.map(lambda a, i=i: a[i], state)
+        else:
+            layer_gd, layer_state = layers.block_graphdef, layers.layers[i]
+        x_BxTxD, out_kv = layer(x_BxTxD, layer_gd, layer_state, layer_kv)
         if kv is not None:
             new_k.append(out_kv[0])
             new_v.append(out_kv[1])
@@ -242,11 +285,20 @@ def run_blocks(
 @struct.dataclass
 class DecodeWeights:
     """The weights as a decode loop reads them (`decode_layers`): each layer's block state as
-    its own arrays, and the output head as `[D, V]`, all in the compute dtype (a `[V, D]` tied
-    embedding as the right operand ran the head 1.5x slower on CPU)."""
+    its own arrays in the fused layout (`fuse_block`; `block_graphdef` is that layout's graph),
+    and the output head as `[D, V]`, all in the compute dtype (a `[V, D]` tied embedding as the
+    right operand ran the head 1.5x slower on CPU)."""
 
     layers: list
     head_DxV: jax.Array
+    block_graphdef: nnx.GraphDef = struct.field(pytree_node=False)
+
+
+def fuse_block(block: Block) -> Block:
+    """In place: a block in the decode layout (fused q/k/v and gate/up matrices); same outputs."""
+    block.attn.fuse()
+    block.mlp.fuse()
+    return block
 
 
 class Policy(nnx.Module):
@@ -306,7 +358,7 @@ class Policy(nnx.Module):
             kv,
             offsets_B,
             self.cfg.scan_layers,
-            None if layers is None else layers.layers,
+            layers,
         )
         new_cache = None if cache is None else cache.replace(k=new_kv[0], v=new_kv[1])
         return hidden_BxTxD, new_cache
@@ -344,7 +396,12 @@ def decode_layers(graphdef, params) -> DecodeWeights:
     head = policy.embed if policy.cfg.tie_embeddings else policy.lm_head
     head_DxV = compute_weight(head, cdt)
     head_DxV = head_DxV.T if policy.cfg.tie_embeddings else head_DxV
-    return DecodeWeights(to_compute(unstack(policy.layers), policy.cfg), head_DxV)
+    block_gd = nnx.split(policy.layers)[0]
+    fused = [
+        nnx.split(fuse_block(nnx.merge(block_gd, s)))
+        for s in to_compute(unstack(policy.layers), policy.cfg)
+    ]
+    return DecodeWeights([state for _, state in fused], head_DxV, fused[0][0])
 
 
 decode_layers_jit = jax.jit(decode_layers, static_argnums=0)

@@ -22,6 +22,7 @@ after verification and rewritten from backbone hiddens by the next catch-up.
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 from pathlib import Path
 
@@ -64,6 +65,32 @@ class MTP(nnx.Module):
     def layer(self, i: int) -> MTPLayer:
         graphdef, state = nnx.split(self.layers)
         return nnx.merge(graphdef, jax.tree.map(lambda a: a[i % self.num_layers], state))
+
+
+@dataclasses.dataclass(frozen=True)
+class DecodeMTP:
+    """An MTP's layers in the decode layout (`for_decode`): what a sampler reads, with the
+    `num_layers` / `layer(i)` of `MTP`."""
+
+    layers: tuple
+
+    @property
+    def num_layers(self) -> int:
+        return len(self.layers)
+
+    def layer(self, i: int) -> MTPLayer:
+        return self.layers[i % self.num_layers]
+
+
+def for_decode(mtp: MTP) -> DecodeMTP:
+    """Each MTP layer sliced out once, its block in the fused decode layout (`model.fuse_block`):
+    made outside a sampler's loop, so the slices and concatenations are loop constants."""
+    layers = []
+    for i in range(mtp.num_layers):
+        layer = mtp.layer(i)  # a fresh module over sliced arrays: fusing it leaves `mtp` alone
+        model.fuse_block(layer.block)
+        layers.append(layer)
+    return DecodeMTP(tuple(layers))
 
 
 def init(cfg: ModelConfig, num_layers: int, seed: int):

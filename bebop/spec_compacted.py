@@ -240,7 +240,7 @@ def loop_costs(pol, layers, mtp, vocab, batch, context, gammas, iters=16, repeat
 
     @jax.jit
     def draft(pp, mp, c):
-        policy, m = nnx.merge(pol[0], pp), nnx.merge(mtp[0], mp)
+        policy, m = nnx.merge(pol[0], pp), mtp_lib.for_decode(nnx.merge(mtp[0], mp))
         head = layers.head_DxV if vocab is None else mtp_lib.draft_head(policy, vocab)
 
         def body(_, carry):

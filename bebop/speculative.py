@@ -144,7 +144,7 @@ class Models:
 
     policy: nnx.Module
     layers: model.DecodeWeights
-    mtp: nnx.Module
+    mtp: mtp_lib.DecodeMTP
     head_DxVd: jax.Array  # the MTP's output projection (the draft vocabulary's columns)
     vocab_Vd: jax.Array | None
     scfg: SamplingConfig
@@ -482,7 +482,7 @@ def make_models(
     return Models(
         policy=policy,
         layers=layers,
-        mtp=nnx.merge(mtp_gd, mtp_params),
+        mtp=mtp_lib.for_decode(nnx.merge(mtp_gd, mtp_params)),
         head_DxVd=layers.head_DxV if vocab_Vd is None else mtp_lib.draft_head(policy, vocab_Vd),
         vocab_Vd=vocab_Vd,
         scfg=scfg,

@@ -109,15 +109,21 @@ def test_hidden_states_feed_the_head(tiny_cfg):
     assert hidden.shape == (1, 8, tiny_cfg.dim)
 
 
-@pytest.mark.parametrize("variant", ["llama", "qwen3"])  # tied and untied output head
+# tied and untied output head, the fused qkv bias
+@pytest.mark.parametrize("variant", ["llama", "qwen3", "qwen2"])
 def test_decode_weights_give_the_full_forward(tiny_cfg, variant):
-    """`decode_layers` (per-layer weights, `[D, V]` head) in prefill and extend: same logits as
-    the full forward with the stacked weights."""
+    """`decode_layers` (per-layer weights in the fused q/k/v and gate/up layout, `[D, V]` head)
+    in prefill and extend: same logits as the full forward with the stacked weights."""
     cfg = dataclasses.replace(tiny_cfg, **VARIANTS[variant])
     graphdef, params = model.init(cfg, seed=6)
+    params = _randomize_biases(params, seed=8)
     layers = model.decode_layers_jit(graphdef, params)
     assert len(layers.layers) == cfg.num_layers
     assert layers.head_DxV.shape == (cfg.dim, cfg.vocab_size)
+    qkv_width = (cfg.num_heads + 2 * cfg.num_kv_heads) * cfg.head_dim
+    assert set(layers.layers[0]["attn"]) >= {"wqkv"} and "wq" not in layers.layers[0]["attn"]
+    assert layers.layers[0]["attn"]["wqkv"].shape == (cfg.dim, qkv_width)
+    assert layers.layers[0]["mlp"]["w_gate_up"].shape == (cfg.dim, 2 * cfg.ffw_dim)
     tokens = jax.random.randint(jax.random.key(7), (2, 9), 0, cfg.vocab_size)
     full = np.asarray(_full(graphdef, params, tokens))
     lens = jnp.array([4, 2])
