@@ -212,9 +212,18 @@ class PolicyConfig:
     # (KIND qwen3 | qwen2 | llama): a tiny random checkpoint of that family with SmolLM2's
     # tokenizer, built once in <workdir>/tiny_hf/KIND for smoke runs (bebop/checkpoints/tiny.py)
     path: str = ""
+    # gguf / hf: keep only the checkpoint's first N decoder layers (0: all) -- a smoke run's
+    # policy (the SmolLM2 `:runlocal` configs), compiled in a fraction of the time
+    num_layers: int = 0
 
     def validate(self, p: str = "policy.") -> None:
         _require(self.source in ("sft", "gguf", "hf"), p + "source", f"unknown {self.source!r}")
+        _require(self.num_layers >= 0, p + "num_layers", f"must be >= 0, got {self.num_layers}")
+        _require(
+            not self.num_layers or self.source != "sft",
+            p + "num_layers",
+            "cuts a gguf or hf checkpoint; the sft policy's layers are model.num_layers",
+        )
         _require(self.source != "hf" or bool(self.path), p + "path", "required for source=hf")
         if self.path.startswith("tiny:"):
             kind = self.path[len("tiny:") :]

@@ -38,14 +38,14 @@ def load(cfg: RunConfig, workdir: Path, mesh) -> LoadedPolicy:
 
         path = gguf.find_smollm2(src.path or None)
         m = cfg.model
-        loaded = gguf.load(path, mesh, m.dtype, m.scan_layers, m.param_dtype)
+        loaded = gguf.load(path, mesh, m.dtype, m.scan_layers, m.param_dtype, src.num_layers)
         check_vocab(loaded.tok.vocab_size, loaded.cfg.vocab_size, str(path), str(path))
         return loaded
     from bebop.checkpoints import hf
 
     m = cfg.model
     path = hf_dir(cfg, workdir)
-    loaded = hf.load(path, mesh, m.dtype, m.scan_layers, m.param_dtype)
+    loaded = hf.load(path, mesh, m.dtype, m.scan_layers, m.param_dtype, src.num_layers)
     tok = hf_tokenizer(path)
     check_vocab(tok.vocab_size, loaded.cfg.vocab_size, f"{path}/tokenizer.json", str(path))
     return dataclasses.replace(loaded, tok=tok)

@@ -45,7 +45,10 @@ def get_config(arg=None):
     )
     c.ckpt.every = 150
     if a.runlocal:
-        c.fast_compile = True  # a smoke run is mostly compilation of SmolLM2-sized programs
+        # A smoke run is mostly compilation: SmolLM2's first 2 of 30 layers (real embeddings,
+        # tokenizer and loader), XLA without its expensive passes.
+        c.policy.num_layers = 2
+        c.fast_compile = True
         c.rollout.max_new_tokens = 8
         c.distill.update(num_samples=4, batch_size=4)
         c.mtp.update(

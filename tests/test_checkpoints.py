@@ -242,3 +242,24 @@ def test_tokenizer_matches_transformers_gguf_tokenizer(smollm2):
     for s in HARD_STRINGS:
         assert tok.encode(s) == ref.encode(s, add_special_tokens=False), s
         assert tok.decode(tok.encode(s), skip_special_tokens=False) == s
+
+
+def test_first_layers_cut_is_the_truncated_transformers_model(tmp_path):
+    """`policy.num_layers` (smoke runs): loading the first of 2 layers gives the logits of the
+    transformers model with its second layer removed; MTP tensors of a `deepseek_v3` export (a
+    layer numbered after the policy's) are hidden, not read as policy or MTP layers; asking for
+    more layers than the checkpoint has names the key."""
+    m = _hf_model("qwen2", tmp_path / "src")
+    loaded = hf.load(tmp_path / "src", _mesh())
+    _, mparams = mtp_lib.init(loaded.cfg, 1, seed=3)
+    hf.export(tmp_path / "out", loaded.cfg, loaded.params, "qwen2", mparams, "deepseek_v3")
+    cut = hf.load(tmp_path / "out", _mesh(), num_layers=1)
+    assert cut.cfg.num_layers == 1 and cut.mtp is None
+    m.model.layers = m.model.layers[:1]
+    m.config.num_hidden_layers = 1
+    with torch.no_grad():
+        ref = m(torch.tensor(TOKS)).logits.numpy()
+    assert np.abs(_logits(cut, TOKS) - ref).max() <= 1e-4
+    assert np.abs(_logits(loaded, TOKS) - ref).max() > 1e-2  # the second layer mattered
+    with pytest.raises(hf.CheckpointError, match="policy.num_layers=3 but .* has 2 decoder"):
+        hf.load(tmp_path / "src", _mesh(), num_layers=3)

@@ -100,6 +100,8 @@ def test_draft_vocab_can_be_set_on_the_demo():
         ("distributed.num_processes=2", "distributed.coordinator_address"),
         ("max_param_growth=0.5", "max_param_growth"),
         ("profile_steps=-1", "profile_steps"),
+        ("policy.num_layers=2", "policy.num_layers"),  # the demo's policy is its own sft stage
+        ("policy.num_layers=-1", "policy.num_layers"),
     ],
 )
 def test_bad_overrides_name_the_key(override, key):

@@ -149,8 +149,12 @@ def read(path, dtype="float32", scan_layers=True, param_dtype="float32"):
     return cfg, arrays, BPETokenizer.from_gguf_fields(meta, str(path))
 
 
-def load(path, mesh, dtype="float32", scan_layers=True, param_dtype="float32") -> LoadedPolicy:
-    """The policy with its parameters (in `param_dtype`) placed on `mesh` and its tokenizer."""
+def load(
+    path, mesh, dtype="float32", scan_layers=True, param_dtype="float32", num_layers=0
+) -> LoadedPolicy:
+    """The policy with its parameters (in `param_dtype`) placed on `mesh` and its tokenizer
+    (`num_layers` > 0: only the first decoder layers, `hf.first_layers`)."""
     cfg, arrays, tok = read(path, dtype, scan_layers, param_dtype)
-    loaded = hf.load_source(hf.ArraySource(arrays, str(path)), cfg, mesh)
+    source, cfg = hf.first_layers(hf.ArraySource(arrays, str(path)), cfg, num_layers)
+    loaded = hf.load_source(source, cfg, mesh)
     return dataclasses.replace(loaded, tok=tok)

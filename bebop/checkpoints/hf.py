@@ -9,7 +9,9 @@ errors naming the tensor and the file.
 
 from __future__ import annotations
 
+import dataclasses
 import json
+import re
 from pathlib import Path
 
 import jax
@@ -175,6 +177,46 @@ class ArraySource:
         return self.arrays[name][index]
 
 
+class FirstLayers:
+    """A tensor source restricted to its first `n` decoder layers (`policy.num_layers`), MTP
+    tensors hidden (trained on the whole stack, they do not fit a cut one)."""
+
+    def __init__(self, source, n: int):
+        self.source, self.n, self.label = source, n, source.label
+
+    def _keep(self, name: str) -> bool:
+        if name.startswith(("mtp.", "model.mtp_layers.")):
+            return False
+        m = re.match(r"model\.layers\.(\d+)\.", name)
+        return m is None or int(m.group(1)) < self.n
+
+    def names(self):
+        return [n for n in self.source.names() if self._keep(n)]
+
+    def has(self, name):
+        return self._keep(name) and self.source.has(name)
+
+    def shape(self, name):
+        return self.source.shape(name)
+
+    def read(self, name, index):
+        return self.source.read(name, index)
+
+
+def first_layers(source, cfg: ModelConfig, num_layers: int):
+    """(source, cfg) cut to the checkpoint's first `num_layers` decoder layers (0: unchanged): a
+    smoke run's policy, the real embeddings, tokenizer and loader with a fraction of the compile
+    time; its outputs are not the model's."""
+    if not num_layers:
+        return source, cfg
+    if num_layers > cfg.num_layers:
+        raise CheckpointError(
+            f"{source.label}: policy.num_layers={num_layers} but the checkpoint has "
+            f"{cfg.num_layers} decoder layers"
+        )
+    return FirstLayers(source, num_layers), dataclasses.replace(cfg, num_layers=num_layers)
+
+
 # ----------------------------------------------------------------------------- import
 
 
@@ -282,7 +324,11 @@ def _count_mtp_layers(all_names, fmt, num_policy_layers) -> int:
     return max(n, 1)
 
 
-def load(directory, mesh, dtype="float32", scan_layers=True, param_dtype="float32") -> LoadedPolicy:
+def load(
+    directory, mesh, dtype="float32", scan_layers=True, param_dtype="float32", num_layers=0
+) -> LoadedPolicy:
+    """The policy of a Hugging Face directory (`num_layers` > 0: only its first decoder layers,
+    `first_layers`)."""
     directory = Path(directory)
     cfg_path = directory / "config.json"
     if not cfg_path.exists():
@@ -294,7 +340,7 @@ def load(directory, mesh, dtype="float32", scan_layers=True, param_dtype="float3
     if not isinstance(hf_cfg, dict):
         raise CheckpointError(f"{cfg_path}: expected a JSON object, got {type(hf_cfg).__name__}")
     cfg = config_from_hf(hf_cfg, str(cfg_path), dtype, scan_layers, param_dtype)
-    return load_source(SafetensorsSource(directory), cfg, mesh)
+    return load_source(*first_layers(SafetensorsSource(directory), cfg, num_layers), mesh)
 
 
 # ----------------------------------------------------------------------------- export
