@@ -371,14 +371,31 @@ def draft_loss(
     """The loss `name` of `MTP_LOSSES`, optionally for a draft restricted to the token ids
     `vocab` `[K]`: q over those K tokens, p the full-vocabulary target (see the module doc).
     `target_lse` `[B, T]`: the target's log-normaliser over the full vocabulary at `temperature`,
-    when the caller has it cached (a frozen policy); else computed here."""
+    when the caller has it cached (a frozen policy); else computed here. Returns (loss, metrics);
+    every loss reports the per-step α of its drafts when a target is given (CE, which needs no
+    target, measures it on the side without gradient, as the TV loss does)."""
     fn = MTP_LOSSES[name]
-    kw = dict(chunk=chunk, temperature=temperature, cycle_len=cycle_len)
+    kw = dict(
+        vocab=vocab,
+        chunk=chunk,
+        temperature=temperature,
+        cycle_len=cycle_len,
+        target_lse=target_lse,
+    )
+    if fn is not ce_loss or target is None:
+        return _draft_loss(fn, draft, target, head_DxV, tokens, mask, **kw)
+    loss, _ = _draft_loss(ce_loss, draft, target, head_DxV, tokens, mask, **kw)
+    draft = jax.lax.stop_gradient(draft)
+    _, metrics = _draft_loss(tv_loss, draft, target, head_DxV, tokens, mask, **kw)
+    return loss, metrics
+
+
+def _draft_loss(fn, draft, target, head_DxV, tokens, mask, *, vocab, target_lse, **kw):
     if vocab is None:
         return fn(draft, target, head_DxV, tokens, mask, target_lse=target_lse, **kw)
     head_DxV = jax.lax.stop_gradient(head_DxV)
     head_DxK = jnp.take(head_DxV, vocab, axis=1)
-    if name == "ce":  # labels as positions in the draft vocabulary; others unsupervised
+    if fn is ce_loss:  # labels as positions in the draft vocabulary; others unsupervised
         pos_V = (
             jnp.full((head_DxV.shape[1],), -1, jnp.int32)
             .at[vocab]
@@ -389,7 +406,8 @@ def draft_loss(
     if target_lse is None:
         b, t, d = target.shape
         hp_NxD = jax.lax.stop_gradient(target.astype(jnp.float32)).reshape(b * t, d)
-        target_lse = _lse(hp_NxD, *_chunks(head_DxV, chunk), temperature).reshape(b, t)
+        target_lse = _lse(hp_NxD, *_chunks(head_DxV, chunk=kw["chunk"]), kw["temperature"])
+        target_lse = target_lse.reshape(b, t)
     return fn(draft, target, head_DxK, tokens, mask, target_lse=target_lse, **kw)
 
 

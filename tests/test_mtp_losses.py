@@ -260,3 +260,21 @@ def test_chunked_e2e_tv_uses_a_quarter_of_the_naive_memory():
     chunked = temp_bytes(lambda dr, *a: L.e2e_tv_loss(dr, *a, chunk=4096)[0])
     full = temp_bytes(lambda dr, *a: naive("e2e_tv", dr, *a))
     assert chunked * 4 <= full, (chunked, full)
+
+
+@pytest.mark.parametrize("vocab", [None, SUB])
+@pytest.mark.parametrize("name", list(L.MTP_LOSSES))
+def test_every_loss_reports_the_per_step_alpha_of_its_drafts(name, vocab):
+    """The training curves' per-step α (`alpha_k`, k = 1..Y) from every loss -- CE included,
+    which needs no target -- equal the naive Σ min(p, q) averaged over supervised positions,
+    for the full vocabulary and a draft vocabulary."""
+    draft, target, head, tokens, mask = _inputs(seed=6)
+    _, metrics = L.draft_loss(name, draft, target, head, tokens, mask, vocab=vocab, chunk=8)
+    if vocab is None:
+        lq, lp, _, valid = _naive_parts(draft, target, head, tokens, mask)
+    else:
+        lq, _, _, valid = _naive_parts(draft, target, head[:, SUB], tokens, mask)
+        lp = _naive_parts(draft, target, head, tokens, mask)[1][..., SUB]
+    alpha = jnp.minimum(jnp.exp(lp), jnp.exp(lq)).sum(-1)
+    for k in range(Y):
+        np.testing.assert_allclose(metrics[f"alpha_{k + 1}"], _mean(alpha[k], valid[k]), atol=1e-5)

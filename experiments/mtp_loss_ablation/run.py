@@ -1,37 +1,49 @@
-"""Bebop's Table 2 on our models: which MTP training loss gives the best acceptance?
+"""Bebop's Table 2 and Fig. 4 on SmolLM2: which MTP training loss gives the best acceptance, and
+does CE's acceptance decline during training while TV's holds?
 
-The five losses (CE, KL, reverse KL, per-step TV, end-to-end TV) each fine-tune the same
-warm-started MTP with the same self-distillation data, steps, batch order and seed, with the
-policy frozen. The warm start (the same for every loss) is the MTP trained with CE for
-`--warm_steps`, the analogue of the paper's CE-pretrained MTP. Evaluation is the real speculative
-sampler on held-out prompts at γ = 3: per-position acceptance of rejection sampling (RS), mean
-accept length, and target-only (TO) acceptance; deltas are against the CE row, next to the
-paper's (docs/method.md §7). Last line: one JSON object with the table.
+Every arm is the pre-RL recipe of `configs/mtp_smollm2.py` (its distilled data -- the RL task's
+own samples at the rollout temperature, with a quarter of mixed chat --, its steps, warm-up,
+init, draft vocabulary and seed) with only `mtp.loss` changed, and no early stop (every arm
+runs all the steps). The frozen target's hiddens and log-normalisers are cached once with the
+distilled data and shared by every arm, so an arm costs only its MTP's own steps.
 
-    python experiments/mtp_loss_ablation/run.py --model demo
-    python experiments/mtp_loss_ablation/run.py --model smollm2
+Measured per arm:
+- curves (Fig. 4): the training batches' own per-position α (teacher-forced, analytic; logged
+  every `mtp.log_every` steps) and the 16-prompt held-out RS accept length every
+  `mtp.eval_every` steps;
+- the final MTP on `--eval_prompts` held-out prompts of the task (RS, γ = `mtp.eval_draft`, the
+  rollout temperature, the same prompts and keys for every arm): per-position acceptance,
+  accept length, and the analytic acceptance Σ min(p, q) of the drafted tokens, with the
+  acceptance's difference to CE paired by prompt (mean ± 1 s.e. over prompts).
 
-Every run is a `launch.py` run under `--workdir/<model>/`: `base/` (policy, distill data, the
-warm start), one directory per loss (`<loss>/mtp/ckpt`, `draft_vocab.npy`, `metrics.jsonl`). As
-in the pipeline, finished runs (a `summary.json`) are reused, so `--losses` can add an arm
-(e.g. `e2e_tv_partial`, not in the paper) to a finished ablation; delete a directory to redo it.
+    python experiments/mtp_loss_ablation/run.py                   # SmolLM2, ~55 min an arm here
+    python experiments/mtp_loss_ablation/run.py --model demo      # the demo policy, minutes
+
+Runs live under `--workdir/<model>/`: `base/` is a finished run of the recipe (`--base DIR` to
+use one, e.g. `runs/mtp_smollm2`; else it is trained there first); its `mtp` stage, when it ran
+every step with the e2e TV loss, is that arm. Each other arm `<loss>/` hard-links the base's
+distilled data and target cache. An arm is reused once finished (`mtp/summary.json`) and resumes
+from its last checkpoint when interrupted; its held-out evaluation is saved as
+`<loss>/heldout.json`. Writes `results_<model>.json` and the curves here. Last line: JSON.
 """
 
 from __future__ import annotations
 
 import argparse
 import json
-import shutil
 import sys
 import time
 from pathlib import Path
 
+import numpy as np
+
 REPO = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(REPO))
 
-from experiments.common import launch  # noqa: E402
+from experiments.common import launch, link_tree  # noqa: E402
 
-LOSSES = ("ce", "kl", "reverse_kl", "tv", "e2e_tv")
+HERE = Path(__file__).resolve().parent
+LOSSES = ("ce", "kl", "reverse_kl", "tv", "e2e_tv", "e2e_tv_partial")
 # Bebop Table 2: RS acceptance gain over CE, in points, over five benchmarks (docs/method.md §7).
 PAPER_DELTA = {
     "ce": "0",
@@ -42,137 +54,217 @@ PAPER_DELTA = {
     "e2e_tv_partial": "(not in the paper)",
 }
 MODELS = {
-    "demo": dict(
-        config="configs/demo.py",
-        policy_stages=("sft", "distill"),
-        warm_steps=100,
-        steps=100,
-        extra=(),
-    ),
-    "smollm2": dict(
-        config="configs/mtp_smollm2.py",
-        policy_stages=("distill",),
-        warm_steps=40,
-        steps=60,
-        extra=(),
-    ),
+    "smollm2": dict(config="configs/mtp_smollm2.py", stages=("distill", "mtp")),
+    "demo": dict(config="configs/demo.py", stages=("sft", "distill", "mtp")),
 }
 
 
-def row(after: dict) -> dict:
-    return {
-        "rs_accept_1": after["rejection/accept_rate_1"],
-        "rs_accept_2": after["rejection/accept_rate_2"],
-        "rs_accept_3": after["rejection/accept_rate_3"],
-        "rs_accept": after["rejection/accept_rate"],
-        "rs_accept_len": after["rejection/accept_len"],
-        "to_accept": after["target_only/accept_rate"],
-        "to_accept_len": after["target_only/accept_len"],
-        "analytic_alpha": after["rejection/analytic_alpha"],
-        "mean_entropy": after["rejection/mean_entropy"],
+def arm_overrides(spec: dict, loss: str, extra) -> list[str]:
+    return [f"stages={spec['stages']!r}", f"mtp.loss={loss!r}", "mtp.patience=0", *extra]
+
+
+def base_is_arm(spec: dict, base: Path, loss: str, extra) -> bool:
+    """The base run's `mtp` stage counts as the `loss` arm when it ran every step (an early stop
+    would make it a shorter arm) with the arm's config, early stop aside."""
+    from bebop import config as config_lib
+
+    done = base / "mtp" / "summary.json"
+    if not done.exists() or json.loads(done.read_text())["steps_run"] < spec_steps(base):
+        return False
+
+    def normal(cfg):  # defaults filled in, tuples as JSON lists
+        return json.loads(json.dumps(config_lib.to_dict(cfg)))
+
+    want = normal(config_lib.load(spec["config"], arm_overrides(spec, loss, extra))[0])
+    saved = json.loads((base / "config.json").read_text())
+    have = normal(config_lib.from_dict(config_lib.RunConfig, saved))
+    for c in (want, have):
+        c["mtp"].pop("patience")
+    keys = ("seed", "model", "policy", "task", "rollout", "distill", "mtp")
+    return all(want[k] == have[k] for k in keys)
+
+
+def spec_steps(run: Path) -> int:
+    return json.loads((run / "config.json").read_text())["mtp"]["steps"]
+
+
+def train_arms(spec, root: Path, base: Path, losses, extra) -> dict[str, Path]:
+    """Each arm's run directory, trained (or resumed) where not finished yet."""
+    if not (base / "mtp" / "summary.json").exists():
+        print(f"training the base run (the recipe) in {base}", flush=True)
+        launch(spec["config"], base, extra)
+    dirs = {}
+    for loss in losses:
+        if base_is_arm(spec, base, loss, extra):
+            dirs[loss] = base
+            continue
+        wd = root / loss
+        for stage in spec["stages"][:-1]:  # the policy (demo) and the distilled data + cache
+            link_tree(base / stage, wd / stage)
+        if not (wd / "mtp" / "summary.json").exists():
+            t0 = time.perf_counter()
+            launch(spec["config"], wd, arm_overrides(spec, loss, extra))
+            print(f"{loss}: trained in {time.perf_counter() - t0:.0f} s", flush=True)
+        dirs[loss] = wd
+    return dirs
+
+
+def heldout(wd: Path, num_prompts: int, batch: int) -> dict:
+    """The final MTP of run `wd` on `num_prompts` held-out task prompts (RS): pooled figures and
+    per-prompt acceptance (for paired differences). Cached in `wd`'s arm dir as heldout.json."""
+    import jax
+
+    from bebop import config as config_lib
+    from bebop import policies, prompts, rollout, sampling, sharding, speculative
+
+    cfg = config_lib.from_dict(config_lib.RunConfig, json.loads((wd / "config.json").read_text()))
+    mesh = sharding.make_mesh(config_lib.MeshConfig(data=1), jax.devices()[:1])
+    policy = policies.load(cfg, wd, mesh)
+    pol = (policy.graphdef, policy.params)
+    mtp_gd, mtp_params, vocab = policies.load_mtp(cfg, wd / "mtp" / "ckpt", policy.cfg, mesh)
+    ids = prompts.prompt_ids(cfg, policy.tok, num_prompts, "eval", "task")
+    toks, lens = sampling.pad_prompts(ids, policy.tok.pad_id)
+    scfg = rollout.sampling_config(cfg, policy.tok)
+    spec = speculative.SpecConfig(cfg.mtp.eval_draft, "rejection")
+    acc, att, hist, overlap, drafted = [], [], [], [], []
+    for i in range(0, len(ids), batch):
+        key = jax.random.fold_in(jax.random.key(cfg.seed + 7), i)
+        out = speculative.sample_jit(
+            *pol,
+            mtp_gd,
+            mtp_params,
+            toks[i : i + batch],
+            lens[i : i + batch],
+            key,
+            scfg,
+            spec,
+            vocab,
+        )
+        st = jax.device_get(out.stats)
+        acc.append(np.asarray(st.accepts))
+        att.append(np.asarray(st.attempts))
+        hist.append(np.asarray(st.accept_hist))
+        kpos = speculative.draft_positions(st.status)
+        overlap.append(float((np.asarray(st.overlap) * (kpos >= 0)).sum()))
+        drafted.append(int((kpos >= 0).sum()))
+    acc, att, hist = (np.concatenate(x) for x in (acc, att, hist))
+    pooled_hist = hist.sum(0)
+    res = {
+        f"rs_accept_{k + 1}": float(acc[:, k].sum() / max(att[:, k].sum(), 1))
+        for k in range(acc.shape[1])
     }
+    res.update(
+        rs_accept=float(acc.sum() / max(att.sum(), 1)),
+        rs_accept_len=float(
+            (pooled_hist * np.arange(1, len(pooled_hist) + 1)).sum() / pooled_hist.sum()
+        ),
+        analytic_alpha=sum(overlap) / max(sum(drafted), 1),
+        drafted_tokens=int(att.sum()),
+        prompts=len(ids),
+        per_prompt_accept=(acc.sum(1) / np.maximum(att.sum(1), 1)).tolist(),
+    )
+    return res
+
+
+def paired_delta(a: list[float], b: list[float]) -> tuple[float, float]:
+    """Mean and standard error of a - b over prompts, in points."""
+    d = 100 * (np.asarray(a) - np.asarray(b))
+    return float(d.mean()), float(d.std(ddof=1) / np.sqrt(len(d)))
 
 
 def table(rows: dict) -> str:
-    head = (
-        "| loss | RS acc. step 1 | step 2 | step 3 | RS accept len | TO acceptance | "
-        "Δ RS acc. vs CE (points) | paper Δ |\n|---|---|---|---|---|---|---|---|"
-    )
-    lines = [head]
+    lines = [
+        "| loss | RS acc. step 1 | step 2 | step 3 | RS accept len | analytic α | "
+        "Δ RS acc. vs CE (points, ± 1 s.e.) | paper Δ |",
+        "|---|---|---|---|---|---|---|---|",
+    ]
     for loss, r in rows.items():
-        if loss not in PAPER_DELTA:
-            continue
-        delta = 100 * (r["rs_accept"] - rows["ce"]["rs_accept"])
+        d, se = r["delta_vs_ce"]
         lines.append(
             f"| {loss} | {r['rs_accept_1']:.3f} | {r['rs_accept_2']:.3f} | {r['rs_accept_3']:.3f}"
-            f" | {r['rs_accept_len']:.2f} | {r['to_accept']:.3f} | {delta:+.1f} |"
+            f" | {r['rs_accept_len']:.2f} | {r['analytic_alpha']:.3f} | {d:+.1f} ± {se:.1f} |"
             f" {PAPER_DELTA[loss]} |"
         )
     return "\n".join(lines)
 
 
-def ablate(name: str, root: Path, warm_steps: int, steps: int, overrides, losses) -> dict:
-    spec = MODELS[name]
-    root = root / name
-    base = root / "base"
-    t0 = time.perf_counter()
-    common = [*spec["extra"], *overrides, "mtp.warmup_loss_steps=0"]
-    base_res = launch(
-        spec["config"],
-        base,
-        [
-            f"stages={(*spec['policy_stages'], 'mtp')!r}",
-            "mtp.loss='ce'",
-            f"mtp.steps={warm_steps}",
-            f"mtp.eval_every={warm_steps}",
-            *common,
-        ],
-    )
-    rows, wall = {"warm_start": row(base_res["mtp"]["after"])}, {}
-    print(f"[{name}] warm start (CE x {warm_steps}): {rows['warm_start']}", flush=True)
-    for loss in losses:
-        wd = root / loss
-        done = wd / "mtp" / "summary.json"
-        if done.exists():  # finished earlier: reuse
-            rows[loss], wall[loss] = row(json.loads(done.read_text())["after"]), None
-            continue
-        shutil.rmtree(wd, ignore_errors=True)
-        wd.mkdir(parents=True)
-        for stage in spec["policy_stages"]:
-            shutil.copytree(base / stage, wd / stage)
-        t1 = time.perf_counter()
-        res = launch(
-            spec["config"],
-            wd,
-            [
-                f"stages={(*spec['policy_stages'], 'mtp')!r}",
-                f"mtp.loss={loss!r}",
-                f"mtp.steps={steps}",
-                f"mtp.eval_every={steps}",
-                f"mtp.init_from={str(base / 'mtp' / 'ckpt')!r}",
-                *common,
-            ],
+def plot_curves(dirs: dict[str, Path], name: str, window: int) -> list[str]:
+    """Per-position training α (windowed means) and held-out accept length against the step."""
+    from bebop import plots
+
+    recs = {loss: plots.read_metrics(wd / "mtp" / "metrics.jsonl") for loss, wd in dirs.items()}
+    paths = []
+    for k in (1, 2, 3):
+        curves = {}
+        for loss, r in recs.items():
+            x, y = plots.series(r, f"alpha_{k}")
+            if len(x):
+                edges = np.arange(0, x.max() + window, window)
+                idx = np.digitize(x, edges[1:-1])
+                keep = np.unique(idx)
+                curves[loss] = (edges[keep] + window, np.array([y[idx == i].mean() for i in keep]))
+        path = HERE / f"{name}_alpha_{k}.png"
+        plots.lines(
+            path,
+            curves,
+            "training step",
+            f"training-batch α, draft step {k}",
+            f"{name}: MTP losses, draft step {k} (teacher-forced, {window}-step means)",
         )
-        rows[loss] = row(res["mtp"]["after"])
-        wall[loss] = time.perf_counter() - t1
-        print(f"[{name}] {loss:10s} {rows[loss]}  ({wall[loss]:.0f} s)", flush=True)
-    total = time.perf_counter() - t0
-    print(
-        f"\n{name}: warm start CE x {warm_steps} steps, then {steps} steps per loss; "
-        f"{total / 60:.1f} min\n{table(rows)}\n",
-        flush=True,
+        paths.append(path.name)
+    curves = {loss: plots.series(r, "eval/rejection/accept_len") for loss, r in recs.items()}
+    path = HERE / f"{name}_eval_accept_len.png"
+    plots.lines(
+        path, curves, "training step", "held-out RS accept length (γ = 3)", f"{name}: MTP losses"
     )
-    return {
-        "warm_steps": warm_steps,
-        "steps": steps,
-        "wall_s": total,
-        "arm_wall_s": wall,
-        "rows": rows,
-    }
+    return [*paths, path.name]
 
 
 def main():
     ap = argparse.ArgumentParser()
-    ap.add_argument("--model", choices=[*MODELS, "both"], default="both")
+    ap.add_argument("--model", choices=list(MODELS), default="smollm2")
     ap.add_argument("--workdir", default="runs/exp_mtp_loss_ablation")
-    ap.add_argument("--warm_steps", type=int, default=0, help="0: the model's default")
-    ap.add_argument("--steps", type=int, default=0, help="0: the model's default")
-    ap.add_argument("--override", action="append", default=[], help="extra config overrides")
+    ap.add_argument("--base", default="", help="a finished recipe run (default WORKDIR/MODEL/base)")
     ap.add_argument("--losses", default=",".join(LOSSES), help="comma-separated; ce first")
+    ap.add_argument("--eval_prompts", type=int, default=192)
+    ap.add_argument("--eval_batch", type=int, default=64)
+    ap.add_argument("--window", type=int, default=50, help="steps per point of the α curves")
+    ap.add_argument("--override", action="append", default=[], help="config overrides (all runs)")
     args = ap.parse_args()
-    root = Path(args.workdir).absolute()
-    names = list(MODELS) if args.model == "both" else [args.model]
-    out = {}
-    for name in names:
-        spec = MODELS[name]
-        out[name] = ablate(
-            name,
-            root,
-            args.warm_steps or spec["warm_steps"],
-            args.steps or spec["steps"],
-            args.override,
-            args.losses.split(","),
-        )
+    spec = MODELS[args.model]
+    root = Path(args.workdir).absolute() / args.model
+    base = Path(args.base).absolute() if args.base else root / "base"
+    losses = args.losses.split(",")
+    if losses[0] != "ce" or any(x not in LOSSES for x in losses):
+        raise SystemExit(f"--losses: want 'ce' first, then any of {LOSSES}; got {losses}")
+    t0 = time.perf_counter()
+    dirs = train_arms(spec, root, base, losses, args.override)
+    rows = {}
+    for loss, wd in dirs.items():
+        cache = (root / loss) / "heldout.json"
+        if cache.exists() and json.loads(cache.read_text())["prompts"] == args.eval_prompts:
+            rows[loss] = json.loads(cache.read_text())
+        else:
+            rows[loss] = heldout(wd, args.eval_prompts, args.eval_batch)
+            cache.parent.mkdir(parents=True, exist_ok=True)
+            cache.write_text(json.dumps(rows[loss]))
+        print(f"{loss}: held-out RS accept length {rows[loss]['rs_accept_len']:.3f}", flush=True)
+    for r in rows.values():
+        r["delta_vs_ce"] = paired_delta(r["per_prompt_accept"], rows["ce"]["per_prompt_accept"])
+    print(table(rows), flush=True)
+    figures = plot_curves(dirs, args.model, args.window)
+    summary = json.loads((dirs["ce"] / "mtp" / "summary.json").read_text())
+    out = {
+        "model": args.model,
+        "steps": summary["steps"],
+        "eval_prompts": args.eval_prompts,
+        "wall_s": time.perf_counter() - t0,
+        "figures": figures,
+        "rows": {
+            k: {kk: v for kk, v in r.items() if kk != "per_prompt_accept"} for k, r in rows.items()
+        },
+    }
+    (HERE / f"results_{args.model}.json").write_text(json.dumps(out, indent=1) + "\n")
     print(json.dumps(out))
 
 
