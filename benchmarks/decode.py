@@ -11,6 +11,10 @@ wheel, dequantized), against three yardsticks measured in the same process:
     one scalar cache position, greedy, no log-probs), run in turn with bebop, best of
     `--repeats`: `bebop_vs_minimal_b{B}_{greedy,t1}` = bebop tok/s / minimal (greedy) tok/s, and
     the share of greedy tokens on which the two agree;
+  - the weight products alone (`product_chain`): decode steps that do only the matrix-vector
+    products over bebop's decode layout, no attention, norms or sampling -- the fastest batch-1
+    decode XLA:CPU's products allow (`products_bound_tok_s_b1`, and its share of the streaming
+    bound `products_frac_of_stream_bound`);
   - transformers `generate` (same dequantized weights; a noisy yardstick across machines).
 
     python benchmarks/decode.py [--new_tokens 128] [--batches 1,8] [--repeats 3]
@@ -82,6 +86,32 @@ def stream_kernels(weights) -> dict:
     leaves = jax.tree.leaves(weights)
     jitted = {"stream_sum": jax.jit(total_sum), "stream_gemv": jax.jit(gemv)}
     return {k: (lambda f=f: f(leaves)) for k, f in jitted.items()}
+
+
+def product_chain(layers, steps: int = 16):
+    """A jitted thunk running `steps` batch-1 decode steps that do only the weight products, in
+    the decode layout bebop reads (`model.decode_layers`: each layer's fused q/k/v, output,
+    gate/up and down matrices, then the `[D, V]` head; a tanh keeps values bounded): no
+    attention, norms, cache or sampling. Its time per step is the fastest batch-1 decode that
+    XLA:CPU's matrix-vector products allow over these weights (`products_bound_tok_s_b1`),
+    between the memory's streaming bound and bebop."""
+    from flax import nnx
+
+    blocks = [nnx.to_pure_dict(s) for s in layers.layers]
+    d = layers.head_DxV.shape[0]
+
+    def step(_, x):
+        for blk in blocks:
+            attn, mlp = blk["attn"], blk["mlp"]
+            qkv = x @ attn["wqkv"]
+            x = jnp.tanh(x + qkv[:, :d] @ attn["wo"].reshape(-1, d))
+            gate, up = jnp.split(x @ mlp["w_gate_up"], 2, axis=-1)
+            x = jnp.tanh(x + (gate * up) @ mlp["w_down"])
+        return x + jnp.tanh(x @ layers.head_DxV)[:, :d]
+
+    run = jax.jit(lambda x: jax.lax.fori_loop(0, steps, step, x))
+    x0 = jnp.full((1, d), 0.1, layers.head_DxV.dtype)
+    return lambda: run(x0)
 
 
 def bebop_runner(loaded, layers, ids, batch, new_tokens, temperature):
@@ -219,6 +249,9 @@ def main():
     res["weight_bytes"] = weight_bytes
     stream = stream_kernels(loaded.params)
     stream_s = float("inf")  # the best of every streaming run, interleaved with the decoders'
+    chain_steps = 16
+    stream["products"] = product_chain(layers, chain_steps)
+    products_s = float("inf")  # the same for the product chain (per step)
 
     for b in [int(x) for x in args.batches.split(",")]:
         prompt = jnp.asarray([ids] * b, jnp.int32)
@@ -229,7 +262,8 @@ def main():
             fns[TEMPS[t]] = bebop_runner(loaded, layers, ids, b, args.new_tokens, t)
         outs = {}
         best = alternate({**fns, **stream}, args.repeats, outs)
-        stream_s = min([stream_s] + [best.pop(k) for k in stream])
+        products_s = min(products_s, best.pop("products") / chain_steps)
+        stream_s = min([stream_s] + [best.pop(k) for k in stream if k != "products"])
         tok_s = {k: b * args.new_tokens / v for k, v in best.items()}
         res[f"minimal_tok_s_b{b}"] = tok_s["minimal"]
         if "greedy" in outs:  # the yardstick decodes the same model: same greedy tokens
@@ -268,6 +302,16 @@ def main():
     ]:  # the bound at batch B: B / stream_s
         b = int(k[len("bebop_tok_s_b") :].split("_")[0])
         res[k.replace("bebop_tok_s", "bebop_frac_of_bound")] = res[k] * stream_s / b
+    res["products_bound_tok_s_b1"] = 1.0 / products_s
+    res["products_frac_of_stream_bound"] = stream_s / products_s
+    if "bebop_tok_s_b1" in res:
+        res["bebop_frac_of_products_bound_b1"] = res["bebop_tok_s_b1"] * products_s
+    print(
+        f"weight products alone (decode layout, batch 1): {products_s * 1e3:.1f} ms a step, "
+        f"{1 / products_s:.1f} tok/s = {stream_s / products_s:.0%} of the streaming bound; bebop "
+        f"greedy at batch 1: {res.get('bebop_frac_of_products_bound_b1', float('nan')):.0%} of it",
+        flush=True,
+    )
     print(
         f"weight streaming: {weight_bytes / 1e6:.0f} MB in {stream_s * 1e3:.1f} ms "
         f"({res['stream_gb_s']:.1f} GB/s): batch-1 bound {1 / stream_s:.1f} tok/s; bebop greedy "
