@@ -61,10 +61,14 @@ def evaluate(
     return res
 
 
-def policy_hiddens(pol_gd, pol_params, tokens_NxS, batch_size: int, temperature: float = 1.0):
+def policy_hiddens(
+    pol_gd, pol_params, tokens_NxS, batch_size: int, temperature: float = 1.0, mesh=None, rows=None
+):
     """The frozen policy's last hidden states `[N, S, D]` and the log-normaliser of its
     distribution at `temperature` over the full vocabulary `[N, S]` (host, float32), per row:
-    everything of the target that does not change while only the MTP trains."""
+    everything of the target that does not change while only the MTP trains. With `mesh` (and
+    `rows`, this process's rows of a batch: `sharding.process_rows`), each batch is split over
+    the mesh's batch axis, so every device computes only its share, and gathered."""
 
     @jax.jit
     def fn(params, tokens_BxS):
@@ -75,16 +79,20 @@ def policy_hiddens(pol_gd, pol_params, tokens_NxS, batch_size: int, temperature:
         return hidden.astype(jnp.float32), lse
 
     n = tokens_NxS.shape[0]
+    mine = np.arange(batch_size) if rows is None else rows
     hiddens = lses = None
     for start in range(0, n, batch_size):
-        rows = np.asarray(tokens_NxS[start : start + batch_size])
-        pad = batch_size - rows.shape[0]  # keep one compiled shape
-        h, lse = sharding.to_host(fn(pol_params, np.pad(rows, ((0, pad), (0, 0)))))
+        chunk = np.asarray(tokens_NxS[start : start + batch_size])
+        pad = batch_size - chunk.shape[0]  # keep one compiled shape
+        batch = np.pad(chunk, ((0, pad), (0, 0)))
+        if mesh is not None:
+            batch = sharding.batch_from_process_rows(batch[mine], mesh, batch_size)
+        h, lse = sharding.to_host(fn(pol_params, batch))
         if hiddens is None:
             hiddens = np.empty((n,) + h.shape[1:], np.float32)
             lses = np.empty((n,) + lse.shape[1:], np.float32)
-        hiddens[start : start + rows.shape[0]] = h[: rows.shape[0]]
-        lses[start : start + rows.shape[0]] = lse[: rows.shape[0]]
+        hiddens[start : start + chunk.shape[0]] = h[: chunk.shape[0]]
+        lses[start : start + chunk.shape[0]] = lse[: chunk.shape[0]]
     return hiddens, lses
 
 
@@ -97,11 +105,14 @@ def _fingerprint(tokens_NxS, pol_params, temperature: float) -> str:
     return h.hexdigest()
 
 
-def cached_target(distill_dir: Path, pol_gd, pol_params, tokens_NxS, batch_size, temperature):
+def cached_target(
+    distill_dir: Path, pol_gd, pol_params, tokens_NxS, batch_size, temperature, mesh=None, rows=None
+):
     """`policy_hiddens` kept on disk next to the distill data (`target_T{T}/`), keyed by a hash of
     the tokens, the policy's weights and T: every MTP run on the same data and policy (the
     init comparison, the loss ablation, a rerun) pays the backbone pass once. Read memory-mapped;
-    a cache from other data or another policy is recomputed, never used."""
+    a cache from other data or another policy is recomputed, never used. `mesh`, `rows`: the
+    pass split over the mesh (`policy_hiddens`)."""
     temperature = max(temperature, 1e-3)
     cdir = Path(distill_dir) / f"target_T{temperature:g}"
     key = _fingerprint(tokens_NxS, pol_params, temperature)
@@ -119,7 +130,7 @@ def cached_target(distill_dir: Path, pol_gd, pol_params, tokens_NxS, batch_size,
             lse.shape,
             tokens_NxS.shape,
         )
-    hid, lse = policy_hiddens(pol_gd, pol_params, tokens_NxS, batch_size, temperature)
+    hid, lse = policy_hiddens(pol_gd, pol_params, tokens_NxS, batch_size, temperature, mesh, rows)
     if sharding.is_primary():  # the others computed the same arrays
         cdir.mkdir(parents=True, exist_ok=True)
         io.save_array_atomic(cdir / "hidden.npy", hid)
@@ -183,7 +194,14 @@ def run(cfg: RunConfig, workdir: Path, mesh, stop_at_step: int | None = None) ->
     cached = {}
     if m.cache_hidden:  # the frozen target's hiddens and log-normalisers, computed once
         cached = cached_target(
-            Path(workdir) / "distill", pol_gd, pol_params, source.tokens, m.batch_size, temp
+            Path(workdir) / "distill",
+            pol_gd,
+            pol_params,
+            source.tokens,
+            m.batch_size,
+            temp,
+            mesh,
+            rows,
         )
 
     def make_batch(b):

@@ -9,9 +9,9 @@ import numpy as np
 import pytest
 from flax import nnx
 
-from bebop import distill, model, sampling, speculative
+from bebop import distill, model, sampling, sharding, speculative
 from bebop import mtp as mtp_lib
-from bebop.config import OptimConfig
+from bebop.config import MeshConfig, OptimConfig
 from bebop.mtp_losses import MTP_LOSSES, MTPBatch, mtp_loss
 from bebop.mtp_train import (
     cached_target,
@@ -99,6 +99,12 @@ def test_cached_hiddens_and_normalisers_give_the_same_loss_and_gradient(setup, v
     logits = model.forward(pol_gd, pol_params, tokens, np.broadcast_to(np.arange(12), (3, 12)))
     want = jax.scipy.special.logsumexp(logits[0] / temperature, axis=-1)
     np.testing.assert_allclose(lse, want, atol=1e-5)
+    # split over a mesh (each device computes its share of each batch, then gathered): the same
+    mesh = sharding.make_mesh(MeshConfig(data=2), jax.devices()[:2])
+    rows = sharding.process_rows(mesh, 2)
+    split = policy_hiddens(pol_gd, pol_params, tokens, 2, temperature, mesh, rows)
+    np.testing.assert_allclose(split[0], hiddens, atol=1e-5)
+    np.testing.assert_allclose(split[1], lse, atol=1e-5)
     cached = batch.replace(hidden=hiddens, target_lse=lse)
     (l0, _), g0 = jax.value_and_grad(fn, has_aux=True)(mtp_params, batch, None, pol_params)
     (l1, _), g1 = jax.value_and_grad(fn, has_aux=True)(mtp_params, cached, None, pol_params)
