@@ -169,6 +169,8 @@ class Attention(nnx.Module):
         CPU one product over the concatenated matrix streams the weights faster than three
         (`benchmarks/decode.py`; the README's engine section has the figures)."""
         d = self.cfg.dim
+        if self.wq.ndim != 3:  # a stacked [L, D, H, Dh] module would reshape into garbage
+            raise ValueError(f"fuse: one layer's weights expected, got wq {self.wq.shape}")
         names = ("wq", "wk", "wv")
         self.wqkv = nnx.Param(
             jnp.concatenate([getattr(self, n)[...].reshape(d, -1) for n in names], 1)

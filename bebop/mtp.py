@@ -87,7 +87,10 @@ def for_decode(mtp: MTP) -> DecodeMTP:
     made outside a sampler's loop, so the slices and concatenations are loop constants."""
     layers = []
     for i in range(mtp.num_layers):
-        layer = mtp.layer(i)  # a fresh module over sliced arrays: fusing it leaves `mtp` alone
+        # a fresh module over sliced arrays in the compute dtype (as `model.decode_layers`):
+        # fusing it leaves `mtp` alone
+        graphdef, state = nnx.split(mtp.layer(i))
+        layer = nnx.merge(graphdef, model.to_compute(state, mtp.cfg))
         model.fuse_block(layer.block)
         layers.append(layer)
     return DecodeMTP(tuple(layers))

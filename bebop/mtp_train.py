@@ -79,6 +79,8 @@ def policy_hiddens(
         return hidden.astype(jnp.float32), lse
 
     n = tokens_NxS.shape[0]
+    if mesh is not None and rows is None:
+        rows = sharding.process_rows(mesh, batch_size)
     mine = np.arange(batch_size) if rows is None else rows
     hiddens = lses = None
     for start in range(0, n, batch_size):
@@ -112,7 +114,8 @@ def cached_target(
     the tokens, the policy's weights and T: every MTP run on the same data and policy (the
     init comparison, the loss ablation, a rerun) pays the backbone pass once. Read memory-mapped;
     a cache from other data or another policy is recomputed, never used. `mesh`, `rows`: the
-    pass split over the mesh (`policy_hiddens`)."""
+    pass split over the mesh (`policy_hiddens`; its gathers are collectives, so every process
+    must see the same `distill_dir`, as for checkpoints)."""
     temperature = max(temperature, 1e-3)
     cdir = Path(distill_dir) / f"target_T{temperature:g}"
     key = _fingerprint(tokens_NxS, pol_params, temperature)

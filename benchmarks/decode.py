@@ -100,14 +100,18 @@ def product_chain(layers, steps: int = 16):
     blocks = [nnx.to_pure_dict(s) for s in layers.layers]
     d = layers.head_DxV.shape[0]
 
+    def used(y):  # every output feeds the next product: none can be optimised away
+        return jnp.mean(y, axis=-1, keepdims=True)
+
     def step(_, x):
         for blk in blocks:
             attn, mlp = blk["attn"], blk["mlp"]
+            wo = attn["wo"].reshape(-1, d)  # [H*Dh, D]
             qkv = x @ attn["wqkv"]
-            x = jnp.tanh(x + qkv[:, :d] @ attn["wo"].reshape(-1, d))
+            x = jnp.tanh(x + (qkv[:, : wo.shape[0]] + used(qkv)) @ wo)
             gate, up = jnp.split(x @ mlp["w_gate_up"], 2, axis=-1)
             x = jnp.tanh(x + (gate * up) @ mlp["w_down"])
-        return x + jnp.tanh(x @ layers.head_DxV)[:, :d]
+        return jnp.tanh(x + used(x @ layers.head_DxV))
 
     run = jax.jit(lambda x: jax.lax.fori_loop(0, steps, step, x))
     x0 = jnp.full((1, d), 0.1, layers.head_DxV.dtype)

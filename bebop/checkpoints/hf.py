@@ -207,7 +207,7 @@ def first_layers(source, cfg: ModelConfig, num_layers: int):
     """(source, cfg) cut to the checkpoint's first `num_layers` decoder layers (0: unchanged): a
     smoke run's policy, the real embeddings, tokenizer and loader with a fraction of the compile
     time; its outputs are not the model's."""
-    if not num_layers:
+    if not num_layers or num_layers == cfg.num_layers:
         return source, cfg
     if num_layers > cfg.num_layers:
         raise CheckpointError(

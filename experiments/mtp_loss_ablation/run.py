@@ -69,7 +69,10 @@ def base_is_arm(spec: dict, base: Path, loss: str, extra) -> bool:
     from bebop import config as config_lib
 
     done = base / "mtp" / "summary.json"
-    if not done.exists() or json.loads(done.read_text())["steps_run"] < spec_steps(base):
+    if not done.exists():
+        return False
+    summary = json.loads(done.read_text())
+    if summary["steps_run"] < summary["steps"]:
         return False
 
     def normal(cfg):  # defaults filled in, tuples as JSON lists
@@ -84,15 +87,11 @@ def base_is_arm(spec: dict, base: Path, loss: str, extra) -> bool:
     return all(want[k] == have[k] for k in keys)
 
 
-def spec_steps(run: Path) -> int:
-    return json.loads((run / "config.json").read_text())["mtp"]["steps"]
-
-
 def train_arms(spec, root: Path, base: Path, losses, extra) -> dict[str, Path]:
     """Each arm's run directory, trained (or resumed) where not finished yet."""
     if not (base / "mtp" / "summary.json").exists():
         print(f"training the base run (the recipe) in {base}", flush=True)
-        launch(spec["config"], base, extra)
+        launch(spec["config"], base, [f"stages={spec['stages']!r}", "mtp.patience=0", *extra])
     dirs = {}
     for loss in losses:
         if base_is_arm(spec, base, loss, extra):
@@ -161,15 +160,24 @@ def heldout(wd: Path, num_prompts: int, batch: int) -> dict:
         analytic_alpha=sum(overlap) / max(sum(drafted), 1),
         drafted_tokens=int(att.sum()),
         prompts=len(ids),
-        per_prompt_accept=(acc.sum(1) / np.maximum(att.sum(1), 1)).tolist(),
+        per_prompt=[acc.sum(1).tolist(), att.sum(1).tolist()],  # accepts, attempts per prompt
+        run=str(wd),
+        steps_run=json.loads((wd / "mtp" / "summary.json").read_text())["steps_run"],
     )
     return res
 
 
-def paired_delta(a: list[float], b: list[float]) -> tuple[float, float]:
-    """Mean and standard error of a - b over prompts, in points."""
-    d = 100 * (np.asarray(a) - np.asarray(b))
-    return float(d.mean()), float(d.std(ddof=1) / np.sqrt(len(d)))
+def paired_delta(a, b) -> tuple[float, float]:
+    """Pooled acceptance of arm `a` minus arm `b` (accepted / attempted drafts over all prompts),
+    in points, and its standard error paired by prompt: the ratio estimator's linearisation,
+    z_i = (acc_i - r att_i) / mean(att) per arm, differenced per prompt. `a`, `b`: per-prompt
+    [accepts, attempts]; prompts without drafts in either arm are left out."""
+    (acc_a, att_a), (acc_b, att_b) = (np.asarray(x, np.float64) for x in (a, b))
+    keep = (att_a > 0) & (att_b > 0)
+    acc_a, att_a, acc_b, att_b = acc_a[keep], att_a[keep], acc_b[keep], att_b[keep]
+    r_a, r_b = acc_a.sum() / att_a.sum(), acc_b.sum() / att_b.sum()
+    z = (acc_a - r_a * att_a) / att_a.mean() - (acc_b - r_b * att_b) / att_b.mean()
+    return float(100 * (r_a - r_b)), float(100 * z.std(ddof=1) / np.sqrt(len(z)))
 
 
 def table(rows: dict) -> str:
@@ -242,15 +250,18 @@ def main():
     rows = {}
     for loss, wd in dirs.items():
         cache = (root / loss) / "heldout.json"
-        if cache.exists() and json.loads(cache.read_text())["prompts"] == args.eval_prompts:
-            rows[loss] = json.loads(cache.read_text())
+        steps_run = json.loads((wd / "mtp" / "summary.json").read_text())["steps_run"]
+        saved = json.loads(cache.read_text()) if cache.exists() else {}
+        same = (saved.get("prompts"), saved.get("run"), saved.get("steps_run"))
+        if same == (args.eval_prompts, str(wd), steps_run):  # this run's final MTP, evaluated
+            rows[loss] = saved
         else:
             rows[loss] = heldout(wd, args.eval_prompts, args.eval_batch)
             cache.parent.mkdir(parents=True, exist_ok=True)
             cache.write_text(json.dumps(rows[loss]))
         print(f"{loss}: held-out RS accept length {rows[loss]['rs_accept_len']:.3f}", flush=True)
     for r in rows.values():
-        r["delta_vs_ce"] = paired_delta(r["per_prompt_accept"], rows["ce"]["per_prompt_accept"])
+        r["delta_vs_ce"] = paired_delta(r["per_prompt"], rows["ce"]["per_prompt"])
     print(table(rows), flush=True)
     figures = plot_curves(dirs, args.model, args.window)
     summary = json.loads((dirs["ce"] / "mtp" / "summary.json").read_text())
@@ -260,9 +271,7 @@ def main():
         "eval_prompts": args.eval_prompts,
         "wall_s": time.perf_counter() - t0,
         "figures": figures,
-        "rows": {
-            k: {kk: v for kk, v in r.items() if kk != "per_prompt_accept"} for k, r in rows.items()
-        },
+        "rows": {k: {kk: v for kk, v in r.items() if kk != "per_prompt"} for k, r in rows.items()},
     }
     (HERE / f"results_{args.model}.json").write_text(json.dumps(out, indent=1) + "\n")
     print(json.dumps(out))
