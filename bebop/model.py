@@ -15,7 +15,8 @@ weights and a per-layer KV cache (`kvcache.py`), because a layer loop that index
 copies each layer's slice on every step (profiled on CPU, SmolLM2-135M: the scan loop copied
 every weight each step, +45 % step time at batch 1; the stacked `[L, B, K, S, Dh]` cache cost two
 cache copies per layer per step, 22 % at batch 8). `decode_layers` lays the weights out once per
-parameter version (`DecodeWeights`: per-layer arrays and a `[D, V]` head); pass it as `layers=`
+parameter version (`DecodeWeights`: per-layer arrays, q/k/v and gate/up each fused into one
+matrix, and a `[D, V]` head); pass it as `layers=`
 to every call inside a loop, or to the sampler, which otherwise makes it on each call (a copy of
 every weight, a few decode steps' time).
 
