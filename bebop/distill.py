@@ -11,8 +11,10 @@ task's templates. Sampler: the plain one, or the speculative one with an existin
 (`distill.draft_from`): its output distribution is exactly the policy's, it just needs fewer
 policy passes.
 
-Several processes: every process runs the sampler on every prompt (replicated host inputs, the
-same keys: the same samples), gathers its output and process 0 alone writes the arrays.
+With a mesh, each batch of prompts is laid out over it by rows: each process places its own
+rows (`sharding.process_rows`), the sampler runs data-parallel, and the rows come back to every
+process (`sharding.gather_rows`); process 0 alone writes the arrays. The samples are the same as
+on one device (the same global batch and keys).
 """
 
 from __future__ import annotations
@@ -28,17 +30,23 @@ from bebop.config import RunConfig
 from bebop.metrics import Progress
 
 
-def sample_responses(pol, ids, scfg, rng, batch_size: int, draft=None, progress=None):
+def sample_responses(pol, ids, scfg, rng, batch_size: int, draft=None, progress=None, mesh=None):
     """Samples one response per prompt; returns `(tokens [N, S], mask [N, S])` as in the module
     doc. `pol` = (graphdef, params); `draft` = (mtp graphdef, params, vocab, SpecConfig) to use
-    the speculative sampler; `progress(rows_done, tokens)` is called after each batch."""
+    the speculative sampler; `progress(rows_done, tokens)` is called after each batch; `mesh`:
+    each process samples its rows of each batch (module doc)."""
     width = sampling.next_pow2(max(len(p) for p in ids)) + scfg.max_new_tokens
     tokens = np.full((len(ids), width), scfg.pad_id, np.int32)
     mask = np.zeros((len(ids), width), np.float32)
     layers = model.decode_layers_jit(*pol)  # once for all batches, not a weight copy per call
     for start in range(0, len(ids), batch_size):
         batch = ids[start : start + batch_size]
-        toks, lens = sampling.pad_prompts(batch, scfg.pad_id)
+        n = len(batch)
+        rows = np.arange(n) if mesh is None else sharding.process_rows(mesh, n, log=not start)
+        width = sampling.bucket_width(max(len(p) for p in batch))
+        toks, lens = sampling.pad_prompts([batch[r] for r in rows], scfg.pad_id, min_width=width)
+        if mesh is not None:
+            toks, lens = sharding.place_rows((toks, lens), mesh, rows, n)
         key = jax.random.fold_in(rng, start)
         if draft is None:
             out = sampling.sample_jit(*pol, toks, lens, key, scfg, layers)
@@ -47,14 +55,16 @@ def sample_responses(pol, ids, scfg, rng, batch_size: int, draft=None, progress=
             out = speculative.sample_jit(
                 *pol, mtp_gd, mtp_params, toks, lens, key, scfg, spec, vocab, layers
             ).sample
-        out = sharding.to_host(out)  # gathered: the output may span other processes
+        # this process's rows, then every process's
+        out = sharding.gather_rows(sharding.local_rows((out.tokens, out.lengths), rows), rows, n)
+        out_tokens, out_lengths = out
         for r, prompt in enumerate(batch):
-            n, row = int(out.lengths[r]), start + r
+            m, row = int(out_lengths[r]), start + r
             tokens[row, : len(prompt)] = prompt
-            tokens[row, len(prompt) : len(prompt) + n] = out.tokens[r, :n]
-            mask[row, len(prompt) : len(prompt) + n] = 1.0
+            tokens[row, len(prompt) : len(prompt) + m] = out_tokens[r, :m]
+            mask[row, len(prompt) : len(prompt) + m] = 1.0
         if progress is not None:
-            progress(len(batch), int(np.asarray(out.lengths).sum()))
+            progress(n, int(out_lengths.sum()))
     return tokens, mask
 
 
@@ -81,11 +91,12 @@ def run(cfg: RunConfig, workdir: Path, mesh) -> dict:
             d.batch_size,
             draft,
             progress=lambda rows, n: bar.update(rows, n),
+            mesh=mesh,
         )
     finally:
         bar.close()
     for name, arr in (("tokens", tokens), ("mask", mask)):  # atomic: a crash leaves no partial file
-        if sharding.is_primary():  # every process sampled the same rows
+        if sharding.is_primary():  # every process holds every row
             io.save_array_atomic(ddir / f"{name}.npy", arr)
     summary = {
         "stage": "distill",

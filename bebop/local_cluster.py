@@ -102,8 +102,8 @@ class Cluster:
     def _pump(self, i: int, stream, sink) -> None:
         for raw in iter(stream.readline, b""):
             line = raw.decode("utf-8", errors="replace").rstrip("\r\n")
-            with self._lock:
-                sink.write(f"[p{i}] {line}\n")
+            with self._lock:  # a progress bar's "\r" redraws start with the prefix too
+                sink.write(f"[p{i}] " + line.replace("\r", f"\r[p{i}] ") + "\n")
                 sink.flush()
                 if sink is sys.stderr and line.strip():
                     self.last_err[i] = line.strip().split("\r")[-1]

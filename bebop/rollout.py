@@ -101,7 +101,16 @@ class Rollouts:
     (`spec_compacted.bucket_costs`' layout), or measured once, after the first rollout, at its
     prompt width plus half the token budget. The stats carry `draft_table` when it changes.
     Not part of a checkpoint: a resumed run starts again from `num_draft` and re-measures (its
-    samples can differ from the uninterrupted run's; each is lossless)."""
+    samples can differ from the uninterrupted run's; each is lossless).
+
+    With a `mesh`, a batch is laid out over it by rows (`sharding.batch_sharding`): each
+    process builds the prompts of its own rows only (`self.rows`, `sharding.process_rows`),
+    places them as its share of the global batch, reads back its rows of the sampler's output,
+    decodes and scores them; the rewards (one number a row: GRPO's groups need them all), the
+    statistics' sums and the sampled rows' draft records are what the processes exchange, and
+    the `LearnerBatch` holds this process's rows (`RolloutBatch.rows`). With `rollout.compact`
+    every process holds every row (the tail-aware drivers move rows between devices on the
+    host), as without a mesh."""
 
     def __init__(
         self,
@@ -114,8 +123,17 @@ class Rollouts:
         vocab=None,
         keep_hidden=False,
         draft_costs=None,
+        mesh=None,
     ):
         self.cfg, self.pol_gd, self.mtp_gd, self.tok, self.task = cfg, pol_gd, mtp_gd, tok, task
+        self.mesh, self.batch_size = mesh, cfg.rl.prompts_per_step * cfg.rl.group_size
+        every_row = mesh is None or cfg.rollout.compact
+        self.rows = (
+            np.arange(self.batch_size)
+            if every_row
+            else sharding.process_rows(mesh, self.batch_size)
+        )
+        self.split = len(self.rows) < self.batch_size  # other processes hold the other rows
         self.vocab = vocab  # the MTP's draft vocabulary (None: full)
         self.keep_hidden = record and keep_hidden
         self.scfg = sampling_config(cfg, tok)
@@ -135,13 +153,27 @@ class Rollouts:
                 )
             self.acceptance = compaction.RunningAcceptance(r.num_draft, DRAFT_WINDOW)
 
-    def prompts(self, i: int):
+    def prompts(self, i: int, rows=None):
+        """(problems, prompt ids) of `rows` (default: all) of batch i: row r is a sample of
+        problem i * prompts_per_step + r // group_size."""
         p, g = self.cfg.rl.prompts_per_step, self.cfg.rl.group_size
-        problems = [
-            self.task.problem(self.cfg.seed + prompts.STREAMS["rl"], i * p + j) for j in range(p)
-        ]
-        ids = [self.task.prompt_ids(self.tok, q) for q in problems for _ in range(g)]
-        return [q for q in problems for _ in range(g)], ids
+        rows = range(p * g) if rows is None else rows
+        made = {}
+        for j in sorted({int(r) // g for r in rows}):
+            q = self.task.problem(self.cfg.seed + prompts.STREAMS["rl"], i * p + j)
+            made[j] = (q, self.task.prompt_ids(self.tok, q))
+        return [made[int(r) // g][0] for r in rows], [made[int(r) // g][1] for r in rows]
+
+    def place(self, ids):
+        """This process's prompt rows padded to the batch's common width (the widest over every
+        process), as (tokens, lengths): host arrays without a mesh or with compaction, else
+        global arrays laid out over the mesh by rows."""
+        width = sampling.bucket_width(max(len(x) for x in ids))
+        width = sharding.max_over_processes(width, self.split)
+        toks, lens = sampling.pad_prompts(ids, self.tok.pad_id, min_width=width)
+        if self.mesh is None or self.cfg.rollout.compact:
+            return toks, lens
+        return sharding.place_rows((toks, lens), self.mesh, self.rows, self.batch_size)
 
     def sample(self, pol_params, mtp_params, toks, lens, key, spec):
         """`spec=None`: the plain sampler. Returns (SampleOutput, SpecOutput or None). With
@@ -194,34 +226,41 @@ class Rollouts:
         return {"draft_table": [list(e) for e in table]}
 
     def __call__(self, i, version, pol_params, mtp_params, mtp_version) -> loop.RolloutBatch:
-        cfg, timer = self.cfg, Timer()
-        problems, ids = self.prompts(i)
-        toks, lens = sampling.pad_prompts(ids, self.tok.pad_id)
+        cfg, timer, rows, split = self.cfg, Timer(), self.rows, self.split
+        problems, ids = self.prompts(i, rows)
+        toks, lens = self.place(ids)
         with timer("rollout_s"):
             key = jax.random.fold_in(jax.random.key(cfg.seed + 5), i)
-            sample, spec_out = sharding.to_host(
-                self.sample(pol_params, mtp_params, toks, lens, key, self.spec)
-            )
+            sample, spec_out = self.sample(pol_params, mtp_params, toks, lens, key, self.spec)
+            # this process's rows only (every row without a mesh)
+            if spec_out is not None:
+                spec_out = sharding.local_rows(spec_out, rows)
+                sample = spec_out.sample
+            else:
+                sample = sharding.local_rows(sample, rows)
         with timer("reward_s"):
             texts = [
                 self.tok.decode(row[:n])
                 for row, n in zip(sample.tokens, sample.lengths, strict=True)
             ]
-            r = self.score(self.task.reward, texts, problems)
+            r = sharding.gather_rows(
+                self.score(self.task.reward, texts, problems), rows, self.batch_size
+            )
         adv = grpo.advantages(r.reshape(-1, cfg.rl.group_size), cfg.rl.std_norm).reshape(-1)
-        b, p = toks.shape
-        width = p + self.scfg.max_new_tokens
+        p = int(toks.shape[1])
+        b, width = len(rows), p + self.scfg.max_new_tokens
         tokens = np.full((b, width), self.tok.pad_id, np.int32)
         mask = np.zeros((b, width), np.float32)
         behaviour = np.zeros((b, width), np.float32)
-        tokens[:, :p] = toks
-        for row in range(b):
-            s, n = int(lens[row]), int(sample.lengths[row])
+        for row, prompt in enumerate(ids):
+            s, n = len(prompt), int(sample.lengths[row])
+            tokens[row, :s] = prompt
             tokens[row, s : s + n] = sample.tokens[row, :n]
             mask[row, s : s + n] = 1.0
             behaviour[row, s : s + n] = sample.logprobs[row, :n]
-        data = loop.LearnerBatch(tokens, mask, behaviour, adv)
-        stats = records.rollout_stats(r, cfg.rl.group_size, sample, spec_out)
+        data = loop.LearnerBatch(tokens, mask, behaviour, adv[rows])
+        total = functools.partial(sharding.sum_over_processes, split=split)
+        stats = records.rollout_stats(r, cfg.rl.group_size, sample, spec_out, total)
         if self.acceptance is not None and spec_out is not None:
             if self.draft_costs is None:
                 with timer("draft_costs_s"):
@@ -231,13 +270,19 @@ class Rollouts:
         drafts = None
         if spec_out is not None:
             if cfg.rl.draft_log_rows:
-                rows = records.sample_rows(cfg.seed, i, b, cfg.rl.draft_log_rows)
-                drafts = records.draft_token_records(spec_out, rows, step=i + 1)
+                logged = records.sample_rows(cfg.seed, i, self.batch_size, cfg.rl.draft_log_rows)
+                mine = np.isin(rows, logged)
+                drafts = records.draft_token_records(spec_out, np.nonzero(mine)[0], i + 1)
+                drafts["row"] = rows[drafts["row"]]  # the row in the whole batch
+                drafts = sharding.concat_over_processes(drafts, split)
+                drafts = drafts[np.argsort(drafts["row"], kind="stable")]
             if spec_out.cycle_len is not None:
                 data = data.replace(cycle_len=np.asarray(spec_out.cycle_len)[:, :width])
             if self.keep_hidden:
                 data = data.replace(hidden=np.asarray(spec_out.hidden)[:, :width])
-        return loop.RolloutBatch(i, version, mtp_version, data, stats, timer.totals, drafts)
+        return loop.RolloutBatch(
+            i, version, mtp_version, data, stats, timer.totals, drafts, rows, self.batch_size
+        )
 
 
 def _timed_rollout(rollouts: Rollouts, pol, mtp, toks, lens, spec, repeats: int) -> tuple:

@@ -147,14 +147,15 @@ def shard_batch(batch, mesh: Mesh):
     return jax.tree.map(one, batch)
 
 
-def process_rows(mesh: Mesh, batch_size: int) -> np.ndarray:
+def process_rows(mesh: Mesh, batch_size: int, log: bool = True) -> np.ndarray:
     """The rows of a global batch of `batch_size` that this process's devices hold under
     `batch_sharding` (sorted; every row with one process or a replicated batch): what a data
     loader of this process reads (`data.ProcessRows`), in the order
-    `make_array_from_process_local_data` expects them (its shards by start row)."""
+    `make_array_from_process_local_data` expects them (its shards by start row). With several
+    processes, logged (`log`)."""
     index_map = batch_sharding(mesh, 1, batch_size).addressable_devices_indices_map((batch_size,))
     rows = rows_of(index_map.values(), batch_size)
-    if jax.process_count() > 1:
+    if jax.process_count() > 1 and log:
         logging.info(
             "process %d of %d reads rows %s of each global batch of %d",
             jax.process_index(),
@@ -185,6 +186,107 @@ def batch_from_process_rows(local, mesh: Mesh, batch_size: int):
         return jax.make_array_from_process_local_data(sharding, x, (batch_size, *x.shape[1:]))
 
     return jax.tree.map(one, local)
+
+
+def place_rows(local, mesh: Mesh, rows: np.ndarray, batch_size: int):
+    """Global batch-sharded arrays of a batch of `batch_size` from host arrays holding `rows`
+    of it: this process's share (`process_rows`: `batch_from_process_rows`) or every row
+    (`shard_batch`)."""
+    if len(rows) == batch_size:
+        return shard_batch(local, mesh)
+    return batch_from_process_rows(local, mesh, batch_size)
+
+
+def local_rows(tree, rows: np.ndarray):
+    """Host copies of `rows` of a pytree of arrays whose leading axis is the batch, read from
+    this process's own shards (no collective): e.g. a sampler's output for the rows whose
+    prompts this process placed (`process_rows`). A row none of its shards holds is an error."""
+    rows = np.asarray(rows)
+
+    def one(x):
+        if not isinstance(x, jax.Array) or x.is_fully_addressable:
+            return np.asarray(jax.device_get(x))[rows]
+        out = np.empty((len(rows), *x.shape[1:]), x.dtype)
+        filled = np.zeros(len(rows), bool)
+        for shard in x.addressable_shards:
+            start, stop, step = shard.index[0].indices(x.shape[0])
+            assert step == 1, shard.index
+            held = (rows >= start) & (rows < stop)
+            out[held] = np.asarray(shard.data)[rows[held] - start]
+            filled |= held
+        if not filled.all():
+            raise ValueError(
+                f"local_rows: rows {rows[~filled].tolist()} of an array of shape {x.shape} "
+                f"are not on process {jax.process_index()}'s devices"
+            )
+        return out
+
+    return jax.tree.map(one, tree)
+
+
+def gather_rows(local, rows: np.ndarray, batch_size: int):
+    """Host arrays of the whole batch of `batch_size` from every process's `rows` of it (host
+    arrays of this process's rows, in `rows` order; `process_allgather`, a collective: every
+    process calls it in the same order, with as many rows). With one process, or when `rows` is
+    every row, the arrays put in row order."""
+    rows = np.asarray(rows)
+    if len(rows) == batch_size or jax.process_count() == 1:
+        every_rows, stack = rows[None], lambda x: np.asarray(x)[None]
+    else:
+        from jax.experimental import multihost_utils
+
+        every_rows = np.asarray(multihost_utils.process_allgather(rows))
+        stack = lambda x: np.asarray(multihost_utils.process_allgather(np.asarray(x)))  # noqa: E731
+    flat = every_rows.reshape(-1)
+    if sorted(set(flat.tolist())) != list(range(batch_size)):
+        raise ValueError(f"gather_rows: the processes' rows do not tile a batch of {batch_size}")
+
+    def one(x):
+        every = stack(x)
+        out = np.empty((batch_size, *every.shape[2:]), every.dtype)
+        out[flat] = every.reshape(-1, *every.shape[2:])
+        return out
+
+    return jax.tree.map(one, local)
+
+
+def sum_over_processes(tree, split: bool = True):
+    """Element-wise sums over processes of a pytree of host numbers (`process_allgather`, a
+    collective) -- e.g. per-process partial sums of statistics over their own rows; `split`
+    False (every process holds every row) or one process: the tree itself."""
+    if not split or jax.process_count() == 1:
+        return tree
+    from jax.experimental import multihost_utils
+
+    return jax.tree.map(
+        lambda x: np.asarray(multihost_utils.process_allgather(np.asarray(x))).sum(0), tree
+    )
+
+
+def concat_over_processes(records: np.ndarray, split: bool = True) -> np.ndarray:
+    """Every process's 1-d structured `records` (any lengths), concatenated in process order
+    (`process_allgather` of their bytes, a collective); `split` False or one process: as
+    given."""
+    if not split or jax.process_count() == 1:
+        return records
+    from jax.experimental import multihost_utils
+
+    raw = np.frombuffer(records.tobytes(), np.uint8)
+    sizes = np.asarray(multihost_utils.process_allgather(np.asarray(raw.size)))
+    padded = np.zeros(int(sizes.max()), np.uint8)
+    padded[: raw.size] = raw
+    every = np.asarray(multihost_utils.process_allgather(padded))
+    parts = [every[p, : int(n)].tobytes() for p, n in enumerate(sizes)]
+    return np.frombuffer(b"".join(parts), records.dtype).copy()
+
+
+def max_over_processes(n: int, split: bool = True) -> int:
+    """The largest of every process's `n` (a collective); `split` False or one process: `n`."""
+    if not split or jax.process_count() == 1:
+        return int(n)
+    from jax.experimental import multihost_utils
+
+    return int(np.asarray(multihost_utils.process_allgather(np.asarray(n))).max())
 
 
 def to_host(tree):

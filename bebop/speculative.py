@@ -581,29 +581,50 @@ def draft_positions(status_BxN) -> np.ndarray:
     return np.where(drafted, idx_N - 1 - prev, -1)
 
 
-def summarize(out: SpecOutput) -> dict:
-    """Host-side acceptance figures of one speculative rollout (all rows pooled): per draft
-    position k the empirical acceptance rate `accept_rate_k` and the mean analytic acceptance
-    Σ min(p, q) `analytic_alpha_k`; tokens per verify, `accept_len`, and their histogram
-    `accept_hist_m` (share of verifies that emitted m tokens)."""
+def summary_sums(out: SpecOutput) -> dict:
+    """The additive parts of `summarize` over the rows of `out` (host numbers): what several
+    processes add up over their own rows before `summary_from_sums`."""
     st = jax.device_get(out.stats)
     lengths = np.asarray(jax.device_get(out.sample.lengths))
     ent = np.asarray(jax.device_get(out.sample.entropy))
     emitted = np.arange(ent.shape[1])[None] < lengths[:, None]
+    attempts = np.asarray(st.attempts).sum(0)
     kpos = draft_positions(st.status)
-    drafted = kpos >= 0
     overlap = np.asarray(st.overlap)
-    hist = np.asarray(st.accept_hist).sum(0)
-    attempts, accepts = np.asarray(st.attempts).sum(0), np.asarray(st.accepts).sum(0)
+    per_k = range(len(attempts))
+    return {
+        "attempts": attempts,
+        "accepts": np.asarray(st.accepts).sum(0),
+        "hist": np.asarray(st.accept_hist).sum(0),
+        "overlap_k": np.asarray([overlap[kpos == k].sum() for k in per_k], np.float64),
+        "drafted_k": np.asarray([(kpos == k).sum() for k in per_k], np.int64),
+        "entropy": np.float64((ent * emitted).sum()),
+        "emitted": np.int64(emitted.sum()),
+        "tokens": np.int64(lengths.sum()),
+    }
+
+
+def summary_from_sums(sums: dict) -> dict:
+    """Host-side acceptance figures of one speculative rollout (all rows pooled) from
+    `summary_sums`: per draft position k the empirical acceptance rate `accept_rate_k` and the
+    mean analytic acceptance Σ min(p, q) `analytic_alpha_k`; tokens per verify, `accept_len`,
+    and their histogram `accept_hist_m` (share of verifies that emitted m tokens)."""
+    attempts, accepts, hist = sums["attempts"], sums["accepts"], sums["hist"]
+    overlap_k, drafted_k = sums["overlap_k"], sums["drafted_k"]
     res = {}
     for k in range(len(attempts)):
         res[f"accept_rate_{k + 1}"] = float(accepts[k] / max(attempts[k], 1))
-        res[f"analytic_alpha_{k + 1}"] = float(overlap[kpos == k].sum() / max((kpos == k).sum(), 1))
+        res[f"analytic_alpha_{k + 1}"] = float(overlap_k[k] / max(drafted_k[k], 1))
     res["accept_rate"] = float(accepts.sum() / max(attempts.sum(), 1))
     res["accept_len"] = float((hist * np.arange(1, len(hist) + 1)).sum() / max(hist.sum(), 1))
     for m in range(len(hist)):
         res[f"accept_hist_{m + 1}"] = float(hist[m] / max(hist.sum(), 1))
-    res["analytic_alpha"] = float((overlap * drafted).sum() / max(drafted.sum(), 1))
-    res["mean_entropy"] = float((ent * emitted).sum() / max(emitted.sum(), 1))
-    res["tokens"] = int(lengths.sum())
+    res["analytic_alpha"] = float(overlap_k.sum() / max(drafted_k.sum(), 1))
+    res["mean_entropy"] = float(sums["entropy"] / max(sums["emitted"], 1))
+    res["tokens"] = int(sums["tokens"])
     return res
+
+
+def summarize(out: SpecOutput) -> dict:
+    """`summary_from_sums(summary_sums(out))`: the acceptance figures of one rollout's rows."""
+    return summary_from_sums(summary_sums(out))

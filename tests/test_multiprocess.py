@@ -18,7 +18,7 @@ import pytest
 
 from bebop.local_cluster import process_env
 from bebop.metrics import read_jsonl
-from bebop.rl import loop
+from bebop.rl import loop, records
 
 from .conftest import REPO
 
@@ -155,12 +155,23 @@ def test_two_processes_match_one_process_on_the_same_mesh(runs):
     assert two["rl"]["max_staleness_seen"] == 1
     # process 0 alone wrote the records: one line per logged step, across the restart
     assert [r["step"] for r in read_jsonl(runs[0] / "rl/metrics.jsonl")] == [1, 2, 3, 4]
-    # the SFT and MTP loaders each read half of every global batch of 8 (the data axis of the
-    # 4-device mesh spans both processes), and the results above still match one process
-    for i, rows in enumerate(("0..3", "4..7")):
-        said = f"process {i} of 2 reads rows {rows} of each global batch of 8"
+    # Each process handles half of every global batch (the data axis of the 4-device mesh
+    # spans both processes), and the results above still match one process: the SFT and MTP
+    # loaders read, and the RL rollouts prompt, sample, decode and score, rows 0..3 / 4..7 of
+    # each batch of 8; distillation samples rows 0..7 / 8..15 of its batch of 16.
+    for i, (rows8, rows16) in enumerate((("0..3", "0..7"), ("4..7", "8..15"))):
         lines = [ln for ln in runs[2].stderr.splitlines() if ln.startswith(f"[p{i}] ")]
-        assert sum(said in ln for ln in lines) == 2, (said, runs[2].stderr[-3000:])
+        for rows, size, times in ((rows8, 8, 3), (rows16, 16, 1)):
+            said = f"process {i} of 2 reads rows {rows} of each global batch of {size}"
+            assert sum(said in ln for ln in lines) == times, (said, runs[2].stderr[-3000:])
+    # the draft records of the rows each process sampled, gathered by process 0: the same
+    # records as one process wrote (entropy and α within RTOL)
+    two_d, one_d = (records.load_draft_tokens(w / "rl/draft_tokens.bin") for w in runs[:2])
+    assert len(one_d) > 0 and len(set(one_d["row"])) > 1
+    for k in ("step", "row", "pos", "k", "accepted"):
+        np.testing.assert_array_equal(two_d[k], one_d[k], err_msg=k)
+    for k in ("entropy", "alpha"):
+        np.testing.assert_allclose(two_d[k], one_d[k], rtol=RTOL, atol=1e-6, err_msg=k)
 
 
 def _leaves(x):

@@ -411,6 +411,18 @@ class Capturing(rollout.Rollouts):
         return out
 
 
+def test_rollout_prompts_of_some_rows_are_those_rows_of_the_batch():
+    """A process builds the prompts of its own rows only (`Rollouts.prompts(i, rows)`): they
+    are exactly those rows of the whole batch (groups of `group_size` samples per problem)."""
+    cfg = _rl_cfg("rl.prompts_per_step=3", "rl.group_size=2")
+    ro = rollout.Rollouts(cfg, None, None, CharTokenizer(), tasks.make_task(cfg.task))
+    problems, ids = ro.prompts(5)
+    assert len(ids) == 6 and ids[0] == ids[1] and ids[0] != ids[2]
+    some_problems, some_ids = ro.prompts(5, [4, 1, 5])
+    assert some_ids == [ids[4], ids[1], ids[5]]
+    assert some_problems == [problems[4], problems[1], problems[5]]
+
+
 def test_staleness_bound_and_step_records(pretrained, tmp_path):
     """6 steps with max_staleness 2, a KL penalty, evaluations every 2 steps: the staleness bound
     is reached (the schedule is deterministic: batch i comes from version max(0, i - 2), whatever

@@ -44,6 +44,8 @@ import jax.numpy as jnp
 import numpy as np
 from flax import struct
 
+from bebop import sharding
+
 
 class StalenessError(RuntimeError):
     pass
@@ -73,6 +75,16 @@ class RolloutBatch:
     stats: dict
     timings: dict
     draft_tokens: np.ndarray | None = None  # `records.DRAFT_TOKEN_DTYPE` records of sampled rows
+    # The rows of the global batch that `data` holds (this process's share), and its size;
+    # None: `data` is the whole batch.
+    rows: np.ndarray | None = None
+    batch_size: int | None = None
+
+    def place(self, mesh) -> LearnerBatch:
+        """`data` as global arrays laid out over `mesh` by rows."""
+        if self.rows is None:
+            return sharding.shard_batch(self.data, mesh)
+        return sharding.place_rows(self.data, mesh, self.rows, self.batch_size)
 
 
 @dataclasses.dataclass

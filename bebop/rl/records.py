@@ -29,20 +29,32 @@ DRAFT_TOKEN_DTYPE = np.dtype([
 ])  # fmt: skip
 
 
-def rollout_stats(rewards_N: np.ndarray, group_size: int, sample, spec_out) -> dict:
+def rollout_stats(rewards_N: np.ndarray, group_size: int, sample, spec_out, total=None) -> dict:
     """Per-step figures of one rollout batch: rewards (mean, std, share of groups whose rewards
     are all equal: zero advantage, no gradient), lengths, entropy, and with a speculative sampler
-    what `speculative.summarize` reports (per-position acceptance, accept-length histogram)."""
+    what `speculative.summarize` reports (per-position acceptance, accept-length histogram).
+    `rewards_N`: the whole batch's; `sample` / `spec_out`: host arrays of some of its rows,
+    whose sums `total` adds up over the processes that hold the others
+    (`sharding.sum_over_processes`; default: these are all the rows)."""
+    total = total or (lambda sums: sums)
     groups = rewards_N.reshape(-1, group_size)
+    sums = {
+        "tokens": np.int64(np.asarray(sample.lengths).sum()),
+        "entropy": np.float64(np.asarray(sample.entropy).sum()),
+    }
+    if spec_out is not None:
+        sums["spec"] = speculative.summary_sums(spec_out)
+    sums = total(sums)
     stats = {
         "reward_mean": float(rewards_N.mean()),
         "reward_std": float(rewards_N.std()),
         "zero_std_frac": float((groups.std(axis=1) == 0).mean()),
-        "response_len": float(sample.lengths.mean()),
-        "rollout_entropy": float(sample.entropy.sum() / max(1, sample.lengths.sum())),
+        "response_tokens": int(sums["tokens"]),
+        "response_len": float(sums["tokens"] / len(rewards_N)),
+        "rollout_entropy": float(sums["entropy"] / max(1, sums["tokens"])),
     }
     if spec_out is not None:
-        summ = speculative.summarize(spec_out)
+        summ = speculative.summary_from_sums(sums["spec"])
         stats.update({k: v for k, v in summ.items() if k not in ("mean_entropy", "tokens")})
     return stats
 

@@ -13,7 +13,9 @@ argument, e.g. a test's recording source).
 Several processes: rollouts and learner steps launch their device programs in one deterministic
 order that every process follows (`loop.Turnstile`; why this and not disjoint rollout / learner
 sub-meshes: `bebop/rl/loop.py`), each step checks that all processes agree on step and versions,
-and process 0 alone writes metrics, draft records and the summary.
+and process 0 alone writes metrics, draft records and the summary. Each process's rollouts
+prompt, sample and score its own rows of the batch (`rollout.Rollouts`), and the learner's batch
+is assembled from every process's rows (`loop.RolloutBatch.place`).
 
 Per step, `metrics.jsonl` gets the learner's metrics, the batch's rollout statistics
 (`records.rollout_stats`: reward mean / std, zero-std groups, per-position acceptance, accept-length
@@ -174,7 +176,15 @@ def run(
     lr_fn = schedule(rl.optim, rl.steps)
     record, keep_hidden = learner.rollout_records(cfg)
     rollouts = make_rollouts(
-        cfg, pol_gd, mtp_gd, tok, task, record=record, vocab=vocab, keep_hidden=keep_hidden
+        cfg,
+        pol_gd,
+        mtp_gd,
+        tok,
+        task,
+        record=record,
+        vocab=vocab,
+        keep_hidden=keep_hidden,
+        mesh=mesh,
     )
     q: queue.Queue = queue.Queue(maxsize=max(1, rl.max_staleness))
     stop = threading.Event()
@@ -196,7 +206,7 @@ def run(
             with split("wait_s"):
                 batch = loop.next_batch(q, step, versions["policy"], rl.max_staleness)
             loop.check_agreement(step, batch, versions["policy"])
-            dev = sharding.shard_batch(batch.data, mesh)
+            dev = batch.place(mesh)
             pol_state, mtp_state, m, mtp_updated = strategy(
                 learn, split, pol_state, mtp_state, dev, batch.policy_version, step
             )
@@ -231,7 +241,8 @@ def run(
             }
             rec_host = sharding.to_host(rec)
             history.append({k: float(rec_host[k]) for k in SUMMARY_KEYS if k in rec_host})
-            bar.update(1, int(batch.data.mask.sum()), reward=f"{batch.stats['reward_mean']:.3f}")
+            reward = f"{batch.stats['reward_mean']:.3f}"
+            bar.update(1, batch.stats["response_tokens"], reward=reward)
             if (step + 1) % rl.log_every == 0 or step + 1 == rl.steps:
                 writer.write(step + 1, rec)
             if writer.enabled and batch.draft_tokens is not None:
