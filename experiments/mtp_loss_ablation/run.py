@@ -24,7 +24,11 @@ use one, e.g. `runs/mtp_smollm2`; else it is trained there first); its `mtp` sta
 every step with the e2e TV loss, is that arm. Each other arm `<loss>/` hard-links the base's
 distilled data and target cache. An arm is reused once finished (`mtp/summary.json`) and resumes
 from its last checkpoint when interrupted; its held-out evaluation is saved as
-`<loss>/heldout.json`. Writes `results_<model>.json` and the curves here. Last line: JSON.
+`<loss>/heldout.json`. A finished arm's figures (held-out evaluation and curves) are also kept
+here, in `arms/<model>_<loss>.json` with the arm's config: a later launch whose arm config is the
+same uses them instead of training the arm again, so the arms of this study can be trained in
+different sessions (run directories do not survive a fresh checkout). Writes
+`results_<model>.json` and the curves here. Last line: JSON.
 """
 
 from __future__ import annotations
@@ -75,20 +79,66 @@ def base_is_arm(spec: dict, base: Path, loss: str, extra) -> bool:
     if summary["steps_run"] < summary["steps"]:
         return False
 
-    def normal(cfg):  # defaults filled in, tuples as JSON lists
-        return json.loads(json.dumps(config_lib.to_dict(cfg)))
-
-    want = normal(config_lib.load(spec["config"], arm_overrides(spec, loss, extra))[0])
     saved = json.loads((base / "config.json").read_text())
-    have = normal(config_lib.from_dict(config_lib.RunConfig, saved))
-    for c in (want, have):
-        c["mtp"].pop("patience")
-    keys = ("seed", "model", "policy", "task", "rollout", "distill", "mtp")
-    return all(want[k] == have[k] for k in keys)
+    have = arm_config(config_lib.from_dict(config_lib.RunConfig, saved))
+    return wanted_config(spec, loss, extra) == have
+
+
+ARM_KEYS = ("seed", "model", "policy", "task", "rollout", "distill", "mtp")
+
+
+def arm_config(cfg) -> dict:
+    """What makes two runs the same arm: the config's sections that shape the MTP (defaults
+    filled in, tuples as JSON lists), early stop aside."""
+    from bebop import config as config_lib
+
+    c = json.loads(json.dumps(config_lib.to_dict(cfg)))
+    c["mtp"].pop("patience")
+    return {k: c[k] for k in ARM_KEYS}
+
+
+def wanted_config(spec: dict, loss: str, extra) -> dict:
+    from bebop import config as config_lib
+
+    return arm_config(config_lib.load(spec["config"], arm_overrides(spec, loss, extra))[0])
+
+
+CURVE_KEYS = ("alpha_1", "alpha_2", "alpha_3", "eval/rejection/accept_len")
+
+
+def kept_arm(model: str, loss: str, want: dict, eval_prompts: int) -> dict | None:
+    """The figures of a finished arm kept in `arms/` (`keep_arm`) if its config is `want` and
+    it was evaluated on `eval_prompts` prompts."""
+    path = HERE / "arms" / f"{model}_{loss}.json"
+    if not path.exists():
+        return None
+    kept = json.loads(path.read_text())
+    same = kept["config"] == want and kept["heldout"]["prompts"] == eval_prompts
+    return kept if same else None
+
+
+def keep_arm(model: str, loss: str, want: dict, wd: Path, held: dict) -> dict:
+    """Keeps arm `loss`'s figures in `arms/`: its config, held-out evaluation and the metric
+    records the curves use (`CURVE_KEYS`)."""
+    from bebop import plots
+
+    recs = [
+        {"step": r["step"], **{k: r[k] for k in CURVE_KEYS if k in r}}
+        for r in plots.read_metrics(wd / "mtp" / "metrics.jsonl")
+    ]
+    summary = json.loads((wd / "mtp" / "summary.json").read_text())
+    kept = {"config": want, "heldout": held, "metrics": recs, "steps": summary["steps"]}
+    path = HERE / "arms" / f"{model}_{loss}.json"
+    path.parent.mkdir(exist_ok=True)
+    path.write_text(json.dumps(kept) + "\n")
+    return kept
 
 
 def train_arms(spec, root: Path, base: Path, losses, extra) -> dict[str, Path]:
-    """Each arm's run directory, trained (or resumed) where not finished yet."""
+    """Each arm's run directory, trained (or resumed) where not finished yet (`losses`: the
+    arms to train; the base run is trained first if it is missing)."""
+    if not losses:
+        return {}
     if not (base / "mtp" / "summary.json").exists():
         print(f"training the base run (the recipe) in {base}", flush=True)
         launch(spec["config"], base, [f"stages={spec['stages']!r}", "mtp.patience=0", *extra])
@@ -196,11 +246,11 @@ def table(rows: dict) -> str:
     return "\n".join(lines)
 
 
-def plot_curves(dirs: dict[str, Path], name: str, window: int) -> list[str]:
-    """Per-position training α (windowed means) and held-out accept length against the step."""
+def plot_curves(recs: dict[str, list], name: str, window: int) -> list[str]:
+    """Per-position training α (windowed means) and held-out accept length against the step,
+    from each arm's metric records."""
     from bebop import plots
 
-    recs = {loss: plots.read_metrics(wd / "mtp" / "metrics.jsonl") for loss, wd in dirs.items()}
     paths = []
     for k in (1, 2, 3):
         curves = {}
@@ -246,28 +296,32 @@ def main():
     if losses[0] != "ce" or any(x not in LOSSES for x in losses):
         raise SystemExit(f"--losses: want 'ce' first, then any of {LOSSES}; got {losses}")
     t0 = time.perf_counter()
-    dirs = train_arms(spec, root, base, losses, args.override)
-    rows = {}
+    want = {loss: wanted_config(spec, loss, args.override) for loss in losses}
+    kept = {loss: kept_arm(args.model, loss, want[loss], args.eval_prompts) for loss in losses}
+    kept = {loss: k for loss, k in kept.items() if k is not None}
+    todo = [loss for loss in losses if loss not in kept]
+    if kept:
+        print(f"arms kept in {HERE / 'arms'} (same config): {sorted(kept)}", flush=True)
+    dirs = train_arms(spec, root, base, todo, args.override)
     for loss, wd in dirs.items():
         cache = (root / loss) / "heldout.json"
         steps_run = json.loads((wd / "mtp" / "summary.json").read_text())["steps_run"]
         saved = json.loads(cache.read_text()) if cache.exists() else {}
         same = (saved.get("prompts"), saved.get("run"), saved.get("steps_run"))
-        if same == (args.eval_prompts, str(wd), steps_run):  # this run's final MTP, evaluated
-            rows[loss] = saved
-        else:
-            rows[loss] = heldout(wd, args.eval_prompts, args.eval_batch)
+        if same != (args.eval_prompts, str(wd), steps_run):  # not this run's final MTP yet
+            saved = heldout(wd, args.eval_prompts, args.eval_batch)
             cache.parent.mkdir(parents=True, exist_ok=True)
-            cache.write_text(json.dumps(rows[loss]))
-        print(f"{loss}: held-out RS accept length {rows[loss]['rs_accept_len']:.3f}", flush=True)
-    for r in rows.values():
+            cache.write_text(json.dumps(saved))
+        kept[loss] = keep_arm(args.model, loss, want[loss], wd, saved)
+    rows = {loss: kept[loss]["heldout"] for loss in losses}
+    for loss, r in rows.items():
+        print(f"{loss}: held-out RS accept length {r['rs_accept_len']:.3f}", flush=True)
         r["delta_vs_ce"] = paired_delta(r["per_prompt"], rows["ce"]["per_prompt"])
     print(table(rows), flush=True)
-    figures = plot_curves(dirs, args.model, args.window)
-    summary = json.loads((dirs["ce"] / "mtp" / "summary.json").read_text())
+    figures = plot_curves({loss: kept[loss]["metrics"] for loss in losses}, args.model, args.window)
     out = {
         "model": args.model,
-        "steps": summary["steps"],
+        "steps": kept["ce"]["steps"],
         "eval_prompts": args.eval_prompts,
         "wall_s": time.perf_counter() - t0,
         "figures": figures,
