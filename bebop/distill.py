@@ -27,6 +27,7 @@ import numpy as np
 
 from bebop import io, model, policies, prompts, rollout, sampling, sharding, speculative
 from bebop.config import RunConfig
+from bebop.fit import Preempted, preempted
 from bebop.metrics import Progress
 
 
@@ -65,6 +66,11 @@ def sample_responses(pol, ids, scfg, rng, batch_size: int, draft=None, progress=
             mask[row, len(prompt) : len(prompt) + m] = 1.0
         if progress is not None:
             progress(n, int(out_lengths.sum()))
+        if preempted(start + n):  # SIGTERM: stop between batches; nothing was written
+            raise Preempted(
+                f"distill: SIGTERM after {start + n} of {len(ids)} samples; distillation writes "
+                "its arrays only when it finishes: rerun the same command to redo the stage"
+            )
     return tokens, mask
 
 

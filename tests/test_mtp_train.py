@@ -2,6 +2,7 @@
 train-time forward agrees with decode-time drafting on step 1."""
 
 import dataclasses
+import functools
 
 import jax
 import jax.numpy as jnp
@@ -12,6 +13,7 @@ from flax import nnx
 from bebop import distill, model, sampling, sharding, speculative
 from bebop import mtp as mtp_lib
 from bebop.config import MeshConfig, OptimConfig
+from bebop.fit import PREEMPTED, Preempted
 from bebop.mtp_losses import MTP_LOSSES, MTPBatch, mtp_loss
 from bebop.mtp_train import (
     cached_target,
@@ -222,6 +224,32 @@ def test_speculative_distillation_samples_the_policy_distribution(tiny_cfg):
     dof = merged.shape[1] - 1
     p = float(jax.scipy.special.gammaincc(dof / 2, stat / 2))
     assert dof > 20 and p > 0.01, (p, dof)
+
+
+def test_sigterm_stops_distillation_between_batches(tiny_cfg):
+    """SIGTERM (the preemption flag) ends distillation after the batch in flight with
+    `Preempted`, naming how far it got; without it every batch is sampled."""
+    pol = random_policy(tiny_cfg, 3, std=0.4)
+    scfg = sampling.SamplingConfig(temperature=1.0, max_new_tokens=2, eos_ids=(99,), pad_id=0)
+    done = []
+    run = functools.partial(
+        distill.sample_responses,
+        pol,
+        [[1, 4, 2]] * 6,
+        scfg,
+        jax.random.key(0),
+        2,
+        progress=lambda rows, n: done.append(rows),
+    )
+    assert run()[0].shape[0] == 6 and done == [2, 2, 2]
+    done.clear()
+    PREEMPTED.set()
+    try:
+        with pytest.raises(Preempted, match="SIGTERM after 2 of 6 samples"):
+            run()
+    finally:
+        PREEMPTED.clear()
+    assert done == [2]
 
 
 def test_backbone_is_bitwise_unchanged_by_mtp_training(setup):
