@@ -32,6 +32,7 @@ from flax import nnx
 from bebop import data, io, policies, prompts, rollout, sampling, sharding, speculative
 from bebop.config import RunConfig
 from bebop.fit import fit
+from bebop.metrics import Progress
 from bebop.mtp import load_draft_vocab, select_draft_vocab  # noqa: F401 - re-exported
 from bebop.mtp_losses import MTPBatch, mtp_loss, target_lse
 from bebop.train import TrainState, make_optimizer, make_train_step, schedule
@@ -83,18 +84,23 @@ def policy_hiddens(
         rows = sharding.process_rows(mesh, batch_size)
     mine = np.arange(batch_size) if rows is None else rows
     hiddens = lses = None
-    for start in range(0, n, batch_size):
-        chunk = np.asarray(tokens_NxS[start : start + batch_size])
-        pad = batch_size - chunk.shape[0]  # keep one compiled shape
-        batch = np.pad(chunk, ((0, pad), (0, 0)))
-        if mesh is not None:
-            batch = sharding.batch_from_process_rows(batch[mine], mesh, batch_size)
-        h, lse = sharding.to_host(fn(pol_params, batch))
-        if hiddens is None:
-            hiddens = np.empty((n,) + h.shape[1:], np.float32)
-            lses = np.empty((n,) + lse.shape[1:], np.float32)
-        hiddens[start : start + chunk.shape[0]] = h[: chunk.shape[0]]
-        lses[start : start + chunk.shape[0]] = lse[: chunk.shape[0]]
+    bar = Progress(n, 0, "mtp target cache")  # minutes on a CPU for a real policy
+    try:
+        for start in range(0, n, batch_size):
+            chunk = np.asarray(tokens_NxS[start : start + batch_size])
+            pad = batch_size - chunk.shape[0]  # keep one compiled shape
+            batch = np.pad(chunk, ((0, pad), (0, 0)))
+            if mesh is not None:
+                batch = sharding.batch_from_process_rows(batch[mine], mesh, batch_size)
+            h, lse = sharding.to_host(fn(pol_params, batch))
+            if hiddens is None:
+                hiddens = np.empty((n,) + h.shape[1:], np.float32)
+                lses = np.empty((n,) + lse.shape[1:], np.float32)
+            hiddens[start : start + chunk.shape[0]] = h[: chunk.shape[0]]
+            lses[start : start + chunk.shape[0]] = lse[: chunk.shape[0]]
+            bar.update(chunk.shape[0], chunk.size)
+    finally:
+        bar.close()
     return hiddens, lses
 
 
