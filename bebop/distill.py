@@ -46,7 +46,7 @@ def sample_responses(pol, ids, scfg, rng, batch_size: int, draft=None, progress=
         rows = np.arange(n) if mesh is None else sharding.process_rows(mesh, n, log=not start)
         width = sampling.bucket_width(max(len(p) for p in batch))
         toks, lens = sampling.pad_prompts([batch[r] for r in rows], scfg.pad_id, min_width=width)
-        if mesh is not None:
+        if sharding.spreads(mesh):
             toks, lens = sharding.place_rows((toks, lens), mesh, rows, n)
         key = jax.random.fold_in(rng, start)
         if draft is None:
@@ -66,7 +66,7 @@ def sample_responses(pol, ids, scfg, rng, batch_size: int, draft=None, progress=
             mask[row, len(prompt) : len(prompt) + m] = 1.0
         if progress is not None:
             progress(n, int(out_lengths.sum()))
-        if preempted(start + n):  # SIGTERM: stop between batches; nothing was written
+        if preempted(start // batch_size + 1):  # SIGTERM: stop between batches (none written)
             raise Preempted(
                 f"distill: SIGTERM after {start + n} of {len(ids)} samples; distillation writes "
                 "its arrays only when it finishes: rerun the same command to redo the stage"

@@ -107,10 +107,12 @@ class Rollouts:
     process builds the prompts of its own rows only (`self.rows`, `sharding.process_rows`),
     places them as its share of the global batch, reads back its rows of the sampler's output,
     decodes and scores them; the rewards (one number a row: GRPO's groups need them all), the
-    statistics' sums and the sampled rows' draft records are what the processes exchange, and
-    the `LearnerBatch` holds this process's rows (`RolloutBatch.rows`). With `rollout.compact`
+    statistics' sums and the sampled rows' draft records (each row counted once, by the lowest
+    process that holds it: `sharding.RowShare`) are what the processes exchange, and the
+    `LearnerBatch` holds this process's rows (`RolloutBatch.rows`). With `rollout.compact`
     every process holds every row (the tail-aware drivers move rows between devices on the
-    host), as without a mesh."""
+    host), as without a mesh. On a one-device mesh the sampler takes host arrays (the programs
+    it compiles are then those of the stages' evaluations)."""
 
     def __init__(
         self,
@@ -127,13 +129,13 @@ class Rollouts:
     ):
         self.cfg, self.pol_gd, self.mtp_gd, self.tok, self.task = cfg, pol_gd, mtp_gd, tok, task
         self.mesh, self.batch_size = mesh, cfg.rl.prompts_per_step * cfg.rl.group_size
-        every_row = mesh is None or cfg.rollout.compact
-        self.rows = (
-            np.arange(self.batch_size)
-            if every_row
-            else sharding.process_rows(mesh, self.batch_size)
+        # this process's rows (every row without a mesh, or with compaction)
+        self.share = (
+            sharding.RowShare.whole(self.batch_size)
+            if mesh is None or cfg.rollout.compact
+            else sharding.row_share(mesh, self.batch_size)
         )
-        self.split = len(self.rows) < self.batch_size  # other processes hold the other rows
+        self.rows, self.split = self.share.rows, self.share.split
         self.vocab = vocab  # the MTP's draft vocabulary (None: full)
         self.keep_hidden = record and keep_hidden
         self.scfg = sampling_config(cfg, tok)
@@ -171,7 +173,7 @@ class Rollouts:
         width = sampling.bucket_width(max(len(x) for x in ids))
         width = sharding.max_over_processes(width, self.split)
         toks, lens = sampling.pad_prompts(ids, self.tok.pad_id, min_width=width)
-        if self.mesh is None or self.cfg.rollout.compact:
+        if not sharding.spreads(self.mesh) or self.cfg.rollout.compact:
             return toks, lens
         return sharding.place_rows((toks, lens), self.mesh, self.rows, self.batch_size)
 
@@ -259,8 +261,11 @@ class Rollouts:
             mask[row, s : s + n] = 1.0
             behaviour[row, s : s + n] = sample.logprobs[row, :n]
         data = loop.LearnerBatch(tokens, mask, behaviour, adv[rows])
+        # sums over the rows this process owns (another may hold the same ones), then all
+        owned = self.share.owned
+        mine = (lambda t: t) if owned.all() else (lambda t: jax.tree.map(lambda x: x[owned], t))
         total = functools.partial(sharding.sum_over_processes, split=split)
-        stats = records.rollout_stats(r, cfg.rl.group_size, sample, spec_out, total)
+        stats = records.rollout_stats(r, cfg.rl.group_size, mine(sample), mine(spec_out), total)
         if self.acceptance is not None and spec_out is not None:
             if self.draft_costs is None:
                 with timer("draft_costs_s"):
@@ -271,8 +276,8 @@ class Rollouts:
         if spec_out is not None:
             if cfg.rl.draft_log_rows:
                 logged = records.sample_rows(cfg.seed, i, self.batch_size, cfg.rl.draft_log_rows)
-                mine = np.isin(rows, logged)
-                drafts = records.draft_token_records(spec_out, np.nonzero(mine)[0], i + 1)
+                local = np.nonzero(np.isin(rows, logged) & owned)[0]
+                drafts = records.draft_token_records(spec_out, local, i + 1)
                 drafts["row"] = rows[drafts["row"]]  # the row in the whole batch
                 drafts = sharding.concat_over_processes(drafts, split)
                 drafts = drafts[np.argsort(drafts["row"], kind="stable")]

@@ -7,6 +7,7 @@ replicated instead (e.g. 3 kv heads on a tensor axis of 2): correctness never de
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import math
 from collections.abc import Mapping
@@ -147,6 +148,44 @@ def shard_batch(batch, mesh: Mesh):
     return jax.tree.map(one, batch)
 
 
+@dataclasses.dataclass(frozen=True)
+class RowShare:
+    """A process's share of a global batch laid out by `batch_sharding`."""
+
+    rows: np.ndarray  # the rows its devices hold, sorted (`process_rows`)
+    # per entry of `rows`: held by no lower-numbered process. A batch shard is replicated over
+    # the non-batch mesh axes, so two processes can hold the same rows: sums and records count
+    # each row once, from its owner.
+    owned: np.ndarray
+    split: bool  # some process holds fewer than all rows (the same answer in every process)
+
+    @classmethod
+    def whole(cls, batch_size: int) -> RowShare:
+        """Every row, owned: no mesh, or one whose every process holds the whole batch."""
+        return cls(np.arange(batch_size), np.ones(batch_size, bool), False)
+
+
+def row_share(mesh: Mesh, batch_size: int, log: bool = True) -> RowShare:
+    """This process's `RowShare` of a batch of `batch_size` (from the global device layout, so
+    that every process agrees on `split`)."""
+    held: dict[int, set] = {}
+    for device, idx in (
+        batch_sharding(mesh, 1, batch_size).devices_indices_map((batch_size,)).items()
+    ):
+        held.setdefault(device.process_index, set()).update(range(*idx[0].indices(batch_size)))
+    me = jax.process_index()
+    rows = process_rows(mesh, batch_size, log)
+    lower = set().union(*(r for p, r in held.items() if p < me))
+    owned = np.asarray([r not in lower for r in rows.tolist()], bool)
+    return RowShare(rows, owned, any(len(r) < batch_size for r in held.values()))
+
+
+def spreads(mesh: Mesh | None) -> bool:
+    """Whether a batch placed on `mesh` is split over several devices (else samplers take host
+    arrays, as the stages' other calls do, and share their compiled programs)."""
+    return mesh is not None and mesh.devices.size > 1
+
+
 def process_rows(mesh: Mesh, batch_size: int, log: bool = True) -> np.ndarray:
     """The rows of a global batch of `batch_size` that this process's devices hold under
     `batch_sharding` (sorted; every row with one process or a replicated batch): what a data
@@ -200,12 +239,16 @@ def place_rows(local, mesh: Mesh, rows: np.ndarray, batch_size: int):
 def local_rows(tree, rows: np.ndarray):
     """Host copies of `rows` of a pytree of arrays whose leading axis is the batch, read from
     this process's own shards (no collective): e.g. a sampler's output for the rows whose
-    prompts this process placed (`process_rows`). A row none of its shards holds is an error."""
+    prompts this process placed (`process_rows`). An array split along another axis as well is
+    gathered from every process instead (`to_host`; its layout is the same in every process, so
+    they all take this branch). A row none of its shards holds is an error."""
     rows = np.asarray(rows)
 
     def one(x):
         if not isinstance(x, jax.Array) or x.is_fully_addressable:
             return np.asarray(jax.device_get(x))[rows]
+        if any(i != slice(None) for s in x.addressable_shards for i in s.index[1:]):
+            return to_host(x)[rows]  # split along another axis too: gathered (a collective)
         out = np.empty((len(rows), *x.shape[1:]), x.dtype)
         filled = np.zeros(len(rows), bool)
         for shard in x.addressable_shards:
