@@ -4,11 +4,13 @@ The task is one-step maths word problems with one-digit numbers (`wordmath`, dig
 the final number) sampled at T = 0.7: SmolLM2-135M answers 2-digit word problems correctly in
 about 1 % of T = 1 samples (1,152 distilled answers: 10 correct) -- a reward RL cannot learn
 from at 32 rollouts a step --, and 1-digit ones in ~20 % at T = 0.7 (64 samples; greedy 22 %).
-Stages: distill -> mtp (Bebop's pre-RL recipe, `configs/mtp_smollm2.py`, on this task and
-temperature) -> rl with the frozen MTP (rejection-sampling verification). The learner
+Stages: distill -> mtp (Bebop's pre-RL recipe, `configs/mtp_smollm2.py`, on this task, here at
+the RL temperature 0.7) -> rl with the frozen MTP (rejection-sampling verification). The learner
 accumulates gradients over 8-row chunks (`rl.microbatch`): the [rows, S, V] logits of one pass
-over 32 rows took ~19 GB. To reuse a pre-RL MTP trained in another run directory instead:
+over 32 rows took ~19 GB. The recipe's own run distils at T = 1, which scored higher at both
+temperatures (README); to use its MTP (recommended):
 
+    python launch.py --config configs/mtp_smollm2.py --workdir runs/mtp_smollm2
     python launch.py --config configs/rl_smollm2.py --workdir runs/rl_smollm2 \\
         --config.stages="('rl',)" --config.mtp.init_from=runs/mtp_smollm2/mtp/ckpt
 """
@@ -21,6 +23,7 @@ def get_config(arg=None):
     a = parse_arg(arg, runlocal=False)
     c = mtp_smollm2.get_config("runlocal" if a.runlocal else None)
     c.stages = ("distill", "mtp", "rl")
+    c.rollout.temperature = 0.7  # RL's (the recipe distils at 1.0)
     c.rl.update(
         steps=40, prompts_per_step=4, group_size=8, eval_samples=64, eval_every=10, microbatch=8
     )
