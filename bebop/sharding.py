@@ -276,10 +276,7 @@ def gather_rows(local, rows: np.ndarray, batch_size: int):
     if len(rows) == batch_size or jax.process_count() == 1:
         every_rows, stack = rows[None], lambda x: np.asarray(x)[None]
     else:
-        from jax.experimental import multihost_utils
-
-        every_rows = np.asarray(multihost_utils.process_allgather(rows))
-        stack = lambda x: np.asarray(multihost_utils.process_allgather(np.asarray(x)))  # noqa: E731
+        every_rows, stack = _allgather(rows), _allgather
     flat = every_rows.reshape(-1)
     if sorted(set(flat.tolist())) != list(range(batch_size)):
         raise ValueError(f"gather_rows: the processes' rows do not tile a batch of {batch_size}")
@@ -299,11 +296,7 @@ def sum_over_processes(tree, split: bool = True):
     False (every process holds every row) or one process: the tree itself."""
     if not split or jax.process_count() == 1:
         return tree
-    from jax.experimental import multihost_utils
-
-    return jax.tree.map(
-        lambda x: np.asarray(multihost_utils.process_allgather(np.asarray(x))).sum(0), tree
-    )
+    return jax.tree.map(lambda x: _allgather(x).sum(0), tree)
 
 
 def concat_over_processes(records: np.ndarray, split: bool = True) -> np.ndarray:
@@ -312,13 +305,11 @@ def concat_over_processes(records: np.ndarray, split: bool = True) -> np.ndarray
     given."""
     if not split or jax.process_count() == 1:
         return records
-    from jax.experimental import multihost_utils
-
     raw = np.frombuffer(records.tobytes(), np.uint8)
-    sizes = np.asarray(multihost_utils.process_allgather(np.asarray(raw.size)))
+    sizes = _allgather(raw.size)
     padded = np.zeros(int(sizes.max()), np.uint8)
     padded[: raw.size] = raw
-    every = np.asarray(multihost_utils.process_allgather(padded))
+    every = _allgather(padded)
     parts = [every[p, : int(n)].tobytes() for p, n in enumerate(sizes)]
     return np.frombuffer(b"".join(parts), records.dtype).copy()
 
@@ -327,9 +318,15 @@ def max_over_processes(n: int, split: bool = True) -> int:
     """The largest of every process's `n` (a collective); `split` False or one process: `n`."""
     if not split or jax.process_count() == 1:
         return int(n)
+    return int(_allgather(n).max())
+
+
+def _allgather(x) -> np.ndarray:
+    """Every process's host value `x` (same shape everywhere), stacked on a new leading axis
+    (`process_allgather`, a collective)."""
     from jax.experimental import multihost_utils
 
-    return int(np.asarray(multihost_utils.process_allgather(np.asarray(n))).max())
+    return np.asarray(multihost_utils.process_allgather(np.asarray(x)))
 
 
 def to_host(tree):
