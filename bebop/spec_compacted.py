@@ -22,30 +22,50 @@ from bebop.sampling import SamplingConfig
 from bebop.speculative import SpecConfig, SpecOutput
 
 
-def regamma(m: speculative.Models, s: speculative.State, num_draft: int) -> speculative.State:
-    """The state of a bucket with another γ: the catch-up buffer becomes γ+1 wide. A row holding
-    more entries than that (γ went down after a long accepted run) first lets every MTP layer
-    consume the excess, as the cycle's catch-up would (the entries written past it are
-    overwritten by the next catch-up). Acceptance after a change can differ from the unchanged
-    loop's; the output distribution cannot (any q gives a lossless test)."""
-    w_old, w_new = s.catch_tok_BxW.shape[1], num_draft + 1
+# Positions the MTP consumes per pass when a bucket drafts again after a deferred catch-up: the
+# MTP cache's slack past the policy's length (`Models.mtp_slack`).
+CATCH_CHUNK = 16
+
+
+def regamma(m: speculative.Models, s: speculative.State, width: int) -> speculative.State:
+    """The state of a bucket whose catch-up buffer is `width` wide (`speculative.catch_width`:
+    γ+1, or a deferred γ = 0 bucket's). A narrower buffer: each row's MTP layers first consume
+    what does not fit (a γ = 0 bucket's deferred positions, or the excess of a long accepted
+    run when γ went down), `CATCH_CHUNK` positions a pass, so that the row keeps the last
+    `width` entries, which the next cycle's catch-up consumes (its output at the last one drafts).
+    Acceptance after a change of γ can differ from the unchanged loop's; the output distribution
+    cannot (any q gives a lossless test)."""
+    w_old, w_new = s.catch_tok_BxW.shape[1], width
     if w_new >= w_old:
         pad = ((0, 0), (0, w_new - w_old))
         return s.replace(
             catch_hid_BxWxD=jnp.pad(s.catch_hid_BxWxD, pad + ((0, 0),)),
             catch_tok_BxW=jnp.pad(s.catch_tok_BxW, pad),
         )
-    mtp_cache = s.mtp_cache
-    for j in range(m.mtp.num_layers):
-        _, _, mtp_cache = mtp_lib.extend(
-            m.mtp, m.policy, j, mtp_cache, s.catch_hid_BxWxD, s.catch_tok_BxW
-        )
     excess_B = jnp.maximum(s.n_catch_B - w_new, 0)
-    idx_BxW = jnp.minimum(jnp.arange(w_new)[None] + excess_B[:, None], w_old - 1)
+    chunk = min(CATCH_CHUNK, w_old)
+
+    def window(start_B, size):  # entries start .. start + size - 1 of every row's buffer
+        idx_BxC = jnp.minimum(start_B[:, None] + jnp.arange(size)[None], w_old - 1)
+        hid = jnp.take_along_axis(s.catch_hid_BxWxD, idx_BxC[..., None], axis=1)
+        return hid, jnp.take_along_axis(s.catch_tok_BxW, idx_BxC, axis=1)
+
+    def consume(carry):
+        cache, done_B = carry
+        hid_BxCxD, tok_BxC = window(done_B, chunk)
+        for j in range(m.mtp.num_layers):
+            _, _, cache = mtp_lib.extend(m.mtp, m.policy, j, cache, hid_BxCxD, tok_BxC)
+        step_B = jnp.minimum(excess_B - done_B, chunk)
+        return cache.advance(step_B), done_B + step_B
+
+    mtp_cache, _ = jax.lax.while_loop(
+        lambda c: jnp.any(c[1] < excess_B), consume, (s.mtp_cache, jnp.zeros_like(excess_B))
+    )
+    hid_BxWxD, tok_BxW = window(excess_B, w_new)
     return s.replace(
-        mtp_cache=mtp_cache.advance(excess_B),
-        catch_hid_BxWxD=jnp.take_along_axis(s.catch_hid_BxWxD, idx_BxW[..., None], axis=1),
-        catch_tok_BxW=jnp.take_along_axis(s.catch_tok_BxW, idx_BxW, axis=1),
+        mtp_cache=mtp_cache,
+        catch_hid_BxWxD=hid_BxWxD,
+        catch_tok_BxW=tok_BxW,
         n_catch_B=s.n_catch_B - excess_B,
     )
 
@@ -53,7 +73,7 @@ def regamma(m: speculative.Models, s: speculative.State, num_draft: int) -> spec
 _STATIC = ("pol_gd", "mtp_gd", "scfg", "spec", "max_draft", "sync_mtp")
 
 
-@functools.partial(jax.jit, static_argnames=_STATIC[:5])
+@functools.partial(jax.jit, static_argnames=(*_STATIC, "mtp_slack"))
 def _init_jit(
     pol_gd,
     pol_params,
@@ -66,7 +86,9 @@ def _init_jit(
     rng,
     scfg,
     spec,
+    sync_mtp,
     max_draft,
+    mtp_slack,
 ):
     rows, width = toks.shape
     max_len = width + scfg.max_new_tokens + max_draft + 1
@@ -81,6 +103,8 @@ def _init_jit(
         spec,
         max_len,
         max_draft=max_draft,
+        sync_mtp=sync_mtp,
+        mtp_slack=mtp_slack,
     )
     row_keys_B = jax.vmap(jax.random.fold_in, (None, 0))(rng, jnp.arange(rows))
     return speculative.init_state(m, pol_gd, pol_params, toks, lens, row_keys_B)
@@ -116,7 +140,7 @@ def _run_jit(
     )
 
 
-@functools.partial(jax.jit, static_argnames=(*_STATIC, "num_draft"))
+@functools.partial(jax.jit, static_argnames=(*_STATIC, "width"))
 def _regamma_jit(
     pol_gd,
     pol_params,
@@ -129,10 +153,10 @@ def _regamma_jit(
     spec,
     max_draft,
     sync_mtp,
-    num_draft,
+    width,
 ):
     args = (pol_gd, pol_params, mtp_gd, mtp_params, draft_vocab, layers)
-    return regamma(_bucket_models(args, s, scfg, spec, max_draft, sync_mtp), s, num_draft)
+    return regamma(_bucket_models(args, s, scfg, spec, max_draft, sync_mtp), s, width)
 
 
 _finalise_jit = jax.jit(speculative.finalise, static_argnums=(0, 1, 3))
@@ -161,9 +185,10 @@ def sample_compacted(
 
     `draft_table`: (batch size, γ) pairs; a bucket of b rows drafts the γ of the largest batch
     size <= b (`spec.num_draft` below them all; `compaction.draft_for_batch`). γ = 0 verifies
-    the pending token alone: one policy step per token, the MTP still consuming each token while
-    a later bucket drafts again (and idle once none does). Per-position statistics are as wide as
-    the largest γ. Lossless at every γ; the samples differ from a fixed-γ loop's."""
+    the pending token alone: one policy step per token and no MTP work; when a later bucket
+    drafts again, the rows it keeps have their positions consumed by the MTP then (`regamma`).
+    Per-position statistics are as wide as the largest γ. Lossless at every γ; the samples
+    differ from a fixed-γ loop's."""
     batch, width = prompt_BxP.shape
     sizes = compaction.bucket_sizes(batch, min_bucket)
     gammas = [compaction.draft_for_batch(draft_table, b, spec.num_draft) for b in sizes]
@@ -172,19 +197,24 @@ def sample_compacted(
         for i, (b, g) in enumerate(zip(sizes, gammas, strict=True))
     }
     max_draft = max(gammas)
+    widths = {
+        b: speculative.catch_width(sp.num_draft, later, scfg.max_new_tokens, max_draft)
+        for b, (sp, later) in plan.items()
+    }
+    slack = CATCH_CHUNK if max(widths.values()) > max_draft + 1 else 0  # a deferred catch-up
     layers = model.decode_layers_jit(pol_gd, pol_params) if layers is None else layers
     args = (pol_gd, pol_params, mtp_gd, mtp_params, draft_vocab, layers)
-    s = _init_jit(*args, prompt_BxP, prompt_lens_B, rng, scfg, plan[batch][0], max_draft)
+    s = _init_jit(*args, prompt_BxP, prompt_lens_B, rng, scfg, *plan[batch], max_draft, slack)
 
     def advance(s, min_live):
         spec_b, later = plan[s.done_B.shape[0]]
         return _run_jit(*args, s, jnp.int32(min_live), scfg, spec_b, max_draft, later)
 
     def regroup(s, size):
-        spec_b, later = plan[size]
-        if spec_b.num_draft + 1 == s.catch_tok_BxW.shape[1]:
+        if widths[size] == s.catch_tok_BxW.shape[1]:
             return s
-        return _regamma_jit(*args, s, scfg, spec_b, max_draft, later, spec_b.num_draft)
+        spec_b, later = plan[size]
+        return _regamma_jit(*args, s, scfg, spec_b, max_draft, later, widths[size])
 
     rows = compaction.run(
         s,

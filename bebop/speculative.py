@@ -151,8 +151,20 @@ class Models:
     spec: SpecConfig  # this bucket's γ (0: no drafts, one policy step per cycle)
     max_len: int
     max_draft: int  # per-position statistics are this wide (the largest γ of a draft table)
-    # With γ = 0: the MTP still consumes each token, for a later bucket that drafts again.
+    # With γ = 0: a later bucket drafts again, so the MTP must see every token. Its catch-up is
+    # deferred: each cycle appends its position to the catch-up buffer (`catch_width` wide),
+    # which `spec_compacted.regamma` consumes in chunks when a bucket drafts again.
     sync_mtp: bool = True
+    mtp_slack: int = 0  # MTP cache slots past `max_len`, for those chunks' writes
+
+
+def catch_width(num_draft: int, sync_mtp: bool, max_new: int, max_draft: int) -> int:
+    """Width of the catch-up buffer: the γ+1 positions a cycle verifies; with γ = 0 and a
+    deferred catch-up (`Models.sync_mtp`), every position a row can still verify (its first
+    token comes from the prefill) after what an earlier bucket left (at most `max_draft` + 1)."""
+    if num_draft or not sync_mtp:
+        return num_draft + 1
+    return max_new + max_draft + 1
 
 
 def _write_rows(buf_BxM, new_BxW, offsets_B):
@@ -218,6 +230,10 @@ def accept(keys_B, logp_BxWxV, q_BxYxVd, d_idx_BxY, drafts_BxY, scfg, vocab_Vd=N
     on the draft vocabulary `vocab_Vd` (token ids; None: the full vocabulary), `d_idx_BxY` the
     drafts' indices into it and `drafts_BxY` their token ids; `keys_B`: one key per row."""
     y = drafts_BxY.shape[1]
+    if y == 0:  # nothing drafted (a γ = 0 bucket): the token comes from p_0 itself
+        return jnp.zeros(drafts_BxY.shape[:1], jnp.int32), draw(
+            _fold(keys_B, 1), logp_BxWxV[:, 0], scfg
+        )
     logp_at_d_BxY = jnp.take_along_axis(logp_BxWxV[:, :y], drafts_BxY[..., None], -1)[..., 0]
     q_at_d_BxY = jnp.take_along_axis(q_BxYxVd, d_idx_BxY[..., None], -1)[..., 0]
     u_BxY = jax.vmap(lambda k: jax.random.uniform(k, (y,)))(_fold(keys_B, 0))
@@ -240,7 +256,8 @@ def init_state(m: Models, pol_gd, pol_params, prompt_BxP, prompt_lens_B, row_key
     with the first sampled token."""
     policy, scfg, spec = m.policy, m.scfg, m.spec
     rows, width = prompt_BxP.shape
-    n, w, y = scfg.max_new_tokens, spec.num_draft + 1, m.max_draft
+    n, y = scfg.max_new_tokens, m.max_draft
+    w = catch_width(spec.num_draft, m.sync_mtp, n, y)
     last_BxV, hid_BxPxD, policy_cache = model.prefill_last(
         pol_gd, pol_params, prompt_BxP, prompt_lens_B, m.max_len, m.layers
     )
@@ -251,7 +268,7 @@ def init_state(m: Models, pol_gd, pol_params, prompt_BxP, prompt_lens_B, row_key
     next_tok_BxP = jnp.where(
         jnp.arange(width)[None] == (prompt_lens_B - 1)[:, None], first_B[:, None], next_tok_BxP
     )
-    mtp_cache = mtp_lib.new_cache(policy.cfg, m.mtp.num_layers, rows, m.max_len)
+    mtp_cache = mtp_lib.new_cache(policy.cfg, m.mtp.num_layers, rows, m.max_len + m.mtp_slack)
     for j in range(m.mtp.num_layers):
         _, _, mtp_cache = mtp_lib.extend(m.mtp, policy, j, mtp_cache, hid_BxPxD, next_tok_BxP)
     mtp_cache = mtp_cache.advance(prompt_lens_B - 1)
@@ -300,15 +317,14 @@ def init_state(m: Models, pol_gd, pol_params, prompt_BxP, prompt_lens_B, row_key
 def _catch_up(m: Models, s: State):
     """Every MTP layer consumes the catch-up buffer (so each keeps its cache complete); layer 0's
     output at the row's last consumed position starts the chain. Returns (hidden `[B, 1, D]`,
-    draft-1 logits `[B, Vd]` -- both None at γ = 0 --, MTP cache)."""
+    draft-1 logits `[B, Vd]`, MTP cache)."""
     mtp_cache = s.mtp_cache
     last_B = jnp.maximum(s.n_catch_B - 1, 0)
-    hid_Bx1xD = logits_BxVd = None  # γ = 0: nothing drafts
     for j in range(m.mtp.num_layers):
         out_BxWxD, normed_BxWxD, mtp_cache = mtp_lib.extend(
             m.mtp, m.policy, j, mtp_cache, s.catch_hid_BxWxD, s.catch_tok_BxW
         )
-        if j == 0 and m.spec.num_draft:  # only the last position drafts: one head projection
+        if j == 0:  # only the last position drafts: one head projection
             hid_Bx1xD = _take(out_BxWxD, last_B)[:, None]
             normed_Bx1xD = _take(normed_BxWxD, last_B)[:, None]
             logits_BxVd = mtp_lib.logits(m.policy, normed_Bx1xD, m.head_DxVd)[:, 0]
@@ -333,7 +349,7 @@ def _draft(m: Models, hid_Bx1xD, logits_BxVd, mtp_cache, anchor_B, keys_B):
             valid = None
             if n_mtp > 1:  # this layer's chain entries of this cycle, plus accepted slots
                 own = jnp.asarray([i - 2 for i in range(2, k + 1) if (i - 1) % n_mtp == layer])
-                rel_BxS = jnp.arange(m.max_len)[None] - anchor_B[:, None]
+                rel_BxS = jnp.arange(mtp_cache.k[0].shape[2])[None] - anchor_B[:, None]
                 valid = (rel_BxS < 0) | jnp.isin(rel_BxS, own)
             hid_Bx1xD, normed_Bx1xD, mtp_cache = mtp_lib.extend(
                 m.mtp, m.policy, layer, mtp_cache, hid_Bx1xD, toks[-1][:, None], valid
@@ -429,14 +445,22 @@ def _roll_back(
         hid_buf = _write_rows(hid_buf, hid_BxWxD, jnp.where(live_B, anchor_B, m.max_len - w))
         cycle_anchor_B = jnp.where(live_B, anchor_B - 1, m.max_len - 1)
         cyc_buf = _write_rows(cyc_buf, (n_acc_B + 1)[:, None], cycle_anchor_B)
+    catch = (hid_BxWxD, emit_BxW, jnp.where(live_B, n_acc_B + 1, 0))
+    if not m.spec.num_draft and m.sync_mtp:  # deferred catch-up: append this position
+        n_catch_B = s.n_catch_B
+        catch = (
+            _write_rows(s.catch_hid_BxWxD, hid_BxWxD, n_catch_B),
+            _write_rows(s.catch_tok_BxW, emit_BxW, n_catch_B),
+            n_catch_B + live_B.astype(jnp.int32),
+        )
     return State(
         cycle=s.cycle + 1,
         policy_cache=policy_cache,
         mtp_cache=mtp_cache,
         pending_B=jnp.where(live_B, next_B, s.pending_B),
-        catch_hid_BxWxD=hid_BxWxD,
-        catch_tok_BxW=emit_BxW,
-        n_catch_B=jnp.where(live_B, n_acc_B + 1, 0),
+        catch_hid_BxWxD=catch[0],
+        catch_tok_BxW=catch[1],
+        n_catch_B=catch[2],
         done_B=finished_B,
         keys_B=s.keys_B,
         out=out,
@@ -497,7 +521,7 @@ def _cycle(m: Models, s: State) -> State:
     keys_B = _fold(s.keys_B, s.cycle + 1)  # 0: the first token
     hid_Bx1xD = logits_BxVd = None
     mtp_cache = s.mtp_cache
-    if m.spec.num_draft or m.sync_mtp:
+    if m.spec.num_draft:  # γ = 0: no MTP work (a deferred catch-up only appends: `_roll_back`)
         hid_Bx1xD, logits_BxVd, mtp_cache = _catch_up(m, s)
     anchor_B = s.policy_cache.lengths
     drafts_BxY, d_idx_BxY, q_BxYxVd, q_other_BxYxVd, mtp_cache = _draft(

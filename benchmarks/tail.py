@@ -103,6 +103,10 @@ def main():
         )
         rates = [summ[f"accept_rate_{k}"] for k in range(1, args.gamma + 1)]
         table = compaction.draft_table(rates, costs, args.gamma)
+        res["bucket_costs_ms"] = {
+            b: {k: round(v * 1e3, 3) for k, v in sorted(c.items())} for b, c in costs.items()
+        }
+        print(f"per-iteration costs (ms) by bucket size: {res['bucket_costs_ms']}", flush=True)
     else:
         table = parse_table(args.draft_table)
     res["compact_spec_s"], compact_spec = best_time(
@@ -116,6 +120,9 @@ def main():
     base = res["static_plain_s"]
     for name in ("compact_plain", "static_spec", "compact_spec"):
         res[f"{name}_speedup"] = base / res[f"{name}_s"]
+    # what speculation adds to a tail-aware rollout (the RL stage's `rollout_speedup` with
+    # `rollout.compact` on compares these two)
+    res["compact_spec_vs_compact_plain"] = res["compact_plain_s"] / res["compact_spec_s"]
     print(
         f"B={args.batch} lengths median {np.median(lengths):.0f} max {lengths.max()} "
         f"(budget {scfg.max_new_tokens})  draft table {table}  accept_rate "
@@ -123,7 +130,8 @@ def main():
         f"static plain {base:.2f} s  compacted plain {res['compact_plain_s']:.2f} s "
         f"({res['compact_plain_speedup']:.2f}x)  static spec γ={args.gamma} "
         f"{res['static_spec_s']:.2f} s ({res['static_spec_speedup']:.2f}x)  compacted spec "
-        f"{res['compact_spec_s']:.2f} s ({res['compact_spec_speedup']:.2f}x)",
+        f"{res['compact_spec_s']:.2f} s ({res['compact_spec_speedup']:.2f}x; "
+        f"{res['compact_spec_vs_compact_plain']:.2f}x compacted plain)",
         flush=True,
     )
     print(
