@@ -21,7 +21,6 @@ from bebop import mtp as mtp_lib
 from bebop.sampling import SamplingConfig
 from bebop.speculative import SpecConfig, SpecOutput
 
-
 # Positions the MTP consumes per pass when a bucket drafts again after a deferred catch-up: the
 # MTP cache's slack past the policy's length (`Models.mtp_slack`).
 CATCH_CHUNK = 16
