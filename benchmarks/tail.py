@@ -51,6 +51,9 @@ def main():
     ap.add_argument("--model", choices=["demo", "smollm2"], default="demo")
     ap.add_argument("--workdir", default="runs/demo_base")
     ap.add_argument("--mtp_ckpt", default="")
+    ap.add_argument(
+        "--config", default="configs/rl_smollm2.py", help="smollm2: the config of the task"
+    )
     ap.add_argument("--batch", type=int, default=64)
     ap.add_argument("--new_tokens", type=int, default=0, help="0: the run's rollout budget")
     ap.add_argument("--temperature", type=float, default=-1.0, help="<0: the run's")
