@@ -184,6 +184,19 @@ STUDY2_ARMS = {
             False,
         ),
         Arm("frozen_rs_sync", "frozen MTP, RS, synchronous", ("rl.max_staleness=0",)),
+        # Tail-aware rollouts (`rollout.compact`): the speculative arm with the draft table
+        # derived from measured costs and the running acceptance (γ per live-batch size).
+        Arm(
+            "plain_compact",
+            "plain, tail-aware",
+            ("rollout.mode='plain'", "rollout.compact=True"),
+            False,
+        ),
+        Arm(
+            "frozen_rs_compact",
+            "frozen MTP, RS, tail-aware, derived draft table",
+            ("rollout.compact=True",),
+        ),
     )
 }
 

@@ -1,10 +1,12 @@
 """Finding 6: the end-to-end speedup of one RL run with and without speculation.
 
 The demo RL run (the demo's GRPO stage from one SFT policy and one pre-RL e2e-TV MTP, same seed
-and prompts, 120 steps of 16 prompts x 8 samples, T = 0.7, γ = 2) four ways, one after the other
+and prompts, 120 steps of 16 prompts x 8 samples, T = 0.7, γ = 2) six ways, one after the other
 in one sitting: plain rollouts and frozen-MTP speculative rollouts (rejection sampling), each
 synchronous (every batch from the current policy) and asynchronous (staleness 1: the next batch
-is sampled while the learner updates). Printed and in `results.json`: rollout time, step time
+is sampled while the learner updates), and both asynchronous with tail-aware rollouts
+(`rollout.compact`; the speculative arm with the draft table derived from measured costs and
+the running acceptance). Printed and in `results.json`: rollout time, step time
 and RL time without the first step (which compiles) and their ratios; figure: reward vs step and
 vs wall-clock (`reward.png`).
 
@@ -52,7 +54,7 @@ from benchmarks.rollout import load_models  # noqa: E402
 from experiments import common  # noqa: E402
 
 HERE = Path(__file__).resolve().parent
-ARMS = ("plain_sync", "frozen_rs_sync", "plain", "frozen_rs")
+ARMS = ("plain_sync", "frozen_rs_sync", "plain", "frozen_rs", "plain_compact", "frozen_rs_compact")
 # Bebop and GrowMTP's end-to-end figures (docs/method.md §6-7).
 PAPER = {"bebop_e2e": "up to 1.8x", "growmtp_e2e": "1.60x (rollout 2.13x)"}
 
@@ -70,6 +72,10 @@ def timing(res: common.ArmResult) -> dict:
         "accept_len": res.summary.get("accept_len"),
         "reward_last10": common.window_mean(res, "reward_mean", False),
         "accuracy_after": res.summary["accuracy_after"],
+        # tail-aware speculative arms: the derived draft table, as it last changed
+        "draft_table": next(
+            (r["draft_table"] for r in reversed(res.records) if "draft_table" in r), None
+        ),
     }
 
 
@@ -80,6 +86,9 @@ def ratios(t: dict) -> dict:
         "async": ("plain", "frozen_rs"),
         "async_spec_vs_sync_plain": ("plain_sync", "frozen_rs"),
         "async_plain_vs_sync_plain": ("plain_sync", "plain"),
+        "async_compact": ("plain_compact", "frozen_rs_compact"),
+        "compact_vs_static_plain": ("plain", "plain_compact"),
+        "compact_spec_vs_static_plain": ("plain", "frozen_rs_compact"),
     }
     out = {}
     for name, (a, b) in pairs.items():
