@@ -42,6 +42,7 @@ def regamma(m: speculative.Models, s: speculative.State, width: int) -> speculat
             catch_tok_BxW=jnp.pad(s.catch_tok_BxW, pad),
         )
     excess_B = jnp.maximum(s.n_catch_B - w_new, 0)
+    todo_B = jnp.where(s.done_B, 0, excess_B)  # finished rows (padding) drop theirs unconsumed
     chunk = min(CATCH_CHUNK, w_old)
 
     def window(start_B, size):  # entries start .. start + size - 1 of every row's buffer
@@ -54,11 +55,11 @@ def regamma(m: speculative.Models, s: speculative.State, width: int) -> speculat
         hid_BxCxD, tok_BxC = window(done_B, chunk)
         for j in range(m.mtp.num_layers):
             _, _, cache = mtp_lib.extend(m.mtp, m.policy, j, cache, hid_BxCxD, tok_BxC)
-        step_B = jnp.minimum(excess_B - done_B, chunk)
+        step_B = jnp.minimum(todo_B - done_B, chunk)
         return cache.advance(step_B), done_B + step_B
 
     mtp_cache, _ = jax.lax.while_loop(
-        lambda c: jnp.any(c[1] < excess_B), consume, (s.mtp_cache, jnp.zeros_like(excess_B))
+        lambda c: jnp.any(c[1] < todo_B), consume, (s.mtp_cache, jnp.zeros_like(todo_B))
     )
     hid_BxWxD, tok_BxW = window(excess_B, w_new)
     return s.replace(
