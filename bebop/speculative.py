@@ -445,22 +445,19 @@ def _roll_back(
         hid_buf = _write_rows(hid_buf, hid_BxWxD, jnp.where(live_B, anchor_B, m.max_len - w))
         cycle_anchor_B = jnp.where(live_B, anchor_B - 1, m.max_len - 1)
         cyc_buf = _write_rows(cyc_buf, (n_acc_B + 1)[:, None], cycle_anchor_B)
-    catch = (hid_BxWxD, emit_BxW, jnp.where(live_B, n_acc_B + 1, 0))
+    catch_hid, catch_tok, n_catch = hid_BxWxD, emit_BxW, jnp.where(live_B, n_acc_B + 1, 0)
     if not m.spec.num_draft and m.sync_mtp:  # deferred catch-up: append this position
-        n_catch_B = s.n_catch_B
-        catch = (
-            _write_rows(s.catch_hid_BxWxD, hid_BxWxD, n_catch_B),
-            _write_rows(s.catch_tok_BxW, emit_BxW, n_catch_B),
-            n_catch_B + live_B.astype(jnp.int32),
-        )
+        catch_hid = _write_rows(s.catch_hid_BxWxD, hid_BxWxD, s.n_catch_B)
+        catch_tok = _write_rows(s.catch_tok_BxW, emit_BxW, s.n_catch_B)
+        n_catch = s.n_catch_B + live_B.astype(jnp.int32)
     return State(
         cycle=s.cycle + 1,
         policy_cache=policy_cache,
         mtp_cache=mtp_cache,
         pending_B=jnp.where(live_B, next_B, s.pending_B),
-        catch_hid_BxWxD=catch[0],
-        catch_tok_BxW=catch[1],
-        n_catch_B=catch[2],
+        catch_hid_BxWxD=catch_hid,
+        catch_tok_BxW=catch_tok,
+        n_catch_B=n_catch,
         done_B=finished_B,
         keys_B=s.keys_B,
         out=out,
