@@ -19,11 +19,12 @@ Measured per arm:
     python experiments/mtp_loss_ablation/run.py                   # SmolLM2, ~55 min an arm here
     python experiments/mtp_loss_ablation/run.py --model demo      # the demo policy, minutes
 
-Runs live under `--workdir/<model>/`: `base/` is a finished run of the recipe (`--base DIR` to
-use one, e.g. `runs/mtp_smollm2`; else it is trained there first); its `mtp` stage, when it ran
-every step with the e2e TV loss, is that arm. Each other arm `<loss>/` hard-links the base's
-distilled data and target cache. An arm is reused once finished (`mtp/summary.json`) and resumes
-from its last checkpoint when interrupted; its held-out evaluation is saved as
+Runs live under `--workdir/<model>/`: `base/` is a run of the recipe (`--base DIR` to use one,
+e.g. `runs/mtp_smollm2`; else its stages before `mtp` run there first); its `mtp` stage, when it
+has one that ran every step with the e2e TV loss, is that arm. Each other arm `<loss>/`
+hard-links the base's distilled data and target cache (the first arm to need the cache computes
+it and links it back into the base). An arm is reused once finished (`mtp/summary.json`) and
+resumes from its last checkpoint when interrupted; its held-out evaluation is saved as
 `<loss>/heldout.json`. A finished arm's figures (held-out evaluation and curves) are also kept
 here, in `arms/<model>_<loss>.json` with the arm's config: a later launch whose arm config is the
 same uses them instead of training the arm again, so the arms of this study can be trained in
@@ -134,26 +135,41 @@ def keep_arm(model: str, loss: str, want: dict, wd: Path, held: dict) -> dict:
     return kept
 
 
+def share_target_cache(src: Path, dst: Path) -> None:
+    """Hard-links the complete target caches (`target_T*/` with their `meta.json`, written by
+    the MTP stage of whichever run needed them first) of distill dir `src` into `dst` where it
+    has none, so that the backbone pass (~15 min for SmolLM2 here) runs once per study."""
+    for cache in src.glob("target_T*"):
+        if (cache / "meta.json").exists() and not (dst / cache.name).exists():
+            link_tree(cache, dst / cache.name)
+
+
 def train_arms(spec, root: Path, base: Path, losses, extra) -> dict[str, Path]:
     """Each arm's run directory, trained (or resumed) where not finished yet (`losses`: the
-    arms to train; the base run is trained first if it is missing)."""
+    arms to train). The arms share the base run's stages before `mtp` (the policy, the distilled
+    data and its target cache); those are run first where missing. A base without a finished
+    `mtp` stage (e.g. `--config.stages="('distill',)"` of the recipe) is fine: its e2e TV arm,
+    if asked for, then trains like any other arm."""
     if not losses:
         return {}
-    if not (base / "mtp" / "summary.json").exists():
-        print(f"training the base run (the recipe) in {base}", flush=True)
-        launch(spec["config"], base, [f"stages={spec['stages']!r}", "mtp.patience=0", *extra])
+    before = spec["stages"][:-1]
+    if not all((base / stage / "summary.json").exists() for stage in before):
+        print(f"running the base's {before} stages (the recipe's data) in {base}", flush=True)
+        launch(spec["config"], base, [f"stages={before!r}", "mtp.patience=0", *extra])
     dirs = {}
     for loss in losses:
         if base_is_arm(spec, base, loss, extra):
             dirs[loss] = base
             continue
         wd = root / loss
-        for stage in spec["stages"][:-1]:  # the policy (demo) and the distilled data + cache
+        for stage in before:  # the policy (demo) and the distilled data + cache
             link_tree(base / stage, wd / stage)
         if not (wd / "mtp" / "summary.json").exists():
+            share_target_cache(base / "distill", wd / "distill")
             t0 = time.perf_counter()
             launch(spec["config"], wd, arm_overrides(spec, loss, extra))
             print(f"{loss}: trained in {time.perf_counter() - t0:.0f} s", flush=True)
+        share_target_cache(wd / "distill", base / "distill")  # for the arms after this one
         dirs[loss] = wd
     return dirs
 
