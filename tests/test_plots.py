@@ -179,3 +179,19 @@ def test_study2_helpers_pay_from_the_last_crossing_and_split_acceptance_by_entro
     assert decompose(common.ArmResult(to_arm, res.summary, records, None), study1)[
         "study1_fit"
     ] == ("TO-CE")
+
+
+def test_loss_ablation_delta_stands_on_the_prompts_both_arms_share():
+    """An arm evaluated on more held-out prompts than CE is compared on CE's prompts (the common
+    prefix): the extra prompts move neither the difference nor its prompt count."""
+    from experiments.mtp_loss_ablation.run import paired_delta
+
+    ce = [[1, 2, 3, 4], [4, 4, 4, 4]]  # accepts, attempts per prompt: 10 / 16
+    arm = [[2, 3, 3, 4, 0, 0], [4, 4, 4, 4, 9, 9]]  # 12 / 16 on the first four
+    d, se, n = paired_delta(arm, ce)
+    assert n == 4
+    assert d == pytest.approx(100 * (12 / 16 - 10 / 16))
+    # The paired s.e. by hand: per prompt z = (acc - r·att) / mean(att) of each arm, differenced.
+    z = (np.array([2, 3, 3, 4]) - 0.75 * 4) / 4 - (np.array([1, 2, 3, 4]) - 0.625 * 4) / 4
+    assert se == pytest.approx(100 * z.std(ddof=1) / 2)
+    assert paired_delta(ce, arm)[:2] == pytest.approx((-d, se))
