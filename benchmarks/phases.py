@@ -7,7 +7,7 @@ speculative sampler, each executed op attributed to the phase of the loop that e
 
 How: the optimised HLO names every instruction and points it at its Python stack (the module's
 `StackFrames` table); the trace has one event per executed op (a thunk of XLA:CPU) under the
-same name. An op belongs to the innermost frame that is a phase of `speculative._cycle`
+same name. An op belongs to the outermost frame that is a phase of `speculative._cycle`
 (`_catch_up`, `_draft`, `_verify`, `accept`, `_emit`, `_roll_back`) or, for the plain sampler,
 of its step (`model`: the forward; else the function that emitted the op); ops outside the loop
 (prefill, set-up, output) are one line. Figures are
@@ -65,8 +65,9 @@ def _opcode(rhs: str) -> str:
 
 
 def op_stacks(hlo_text: str) -> dict[str, list[str]]:
-    """Instruction name -> the Python functions of its stack, outermost first (ops that only
-    hold other ops -- a while loop, a call -- left out)."""
+    """Instruction name -> the Python functions of its stack, outermost first; [] for an op the
+    compiler made (a copy it inserted, ...). Ops that only hold other ops -- a while loop, a
+    call -- are left out."""
     functions = {}
     for line in _table(hlo_text, "FunctionNames"):
         i, name = line.split(" ", 1)
@@ -82,7 +83,7 @@ def op_stacks(hlo_text: str) -> dict[str, list[str]]:
 
     def stack(frame: int) -> list[str]:
         out, seen = [], set()
-        while frame in frames and frame not in seen:  # a parent id is the frame's id + 1
+        while frame in frames and frame not in seen:  # parents are printed as their id + 1
             seen.add(frame)
             loc, parent = frames[frame]
             out.append(functions[locations[loc]])
@@ -91,14 +92,19 @@ def op_stacks(hlo_text: str) -> dict[str, list[str]]:
 
     ops = {}
     for line in hlo_text.splitlines():
-        m = re.match(r"\s*(?:ROOT )?%(\S+) = (.*?stack_frame_id=(\d+))", line)
+        m = re.match(r"\s*(?:ROOT )?%(\S+) = (.*)", line)
         if m and _opcode(m.group(2)) not in CONTAINERS:  # their events span the ops inside
-            ops[m.group(1)] = stack(int(m.group(3)))
+            frame = re.search(r"stack_frame_id=(\d+)", m.group(2))
+            ops[m.group(1)] = stack(int(frame.group(1))) if frame else []
     return ops
 
 
 def phase_of(stack: list[str], speculative_loop: bool) -> str:
-    """The loop phase an op with this Python stack belongs to."""
+    """The loop phase an op with this Python stack belongs to (the outermost phase frame)."""
+    if not stack:
+        return "(no Python stack: made by the compiler)"
+    if speculative_loop and "run_cycles" in stack and "_cycle" not in stack:
+        return "loop condition"
     loop = "_cycle" if speculative_loop else "_run"
     if loop not in stack:
         return "outside the loop (prefill, set-up, output)"
@@ -170,7 +176,8 @@ def main():
             phase = phase_of(ops[e["name"]], bool(args.gamma))
             time_by[phase] += e["dur"] / 1e3 / per
             count_by[phase] += 1 / per
-            op_time[(e["name"], phase, ops[e["name"]][-1])] += e["dur"] / 1e3 / per
+            fn = ops[e["name"]][-1] if ops[e["name"]] else "-"
+            op_time[(e["name"], phase, fn)] += e["dur"] / 1e3 / per
     traced = sum(time_by.values())
     kind = f"speculative (γ = {args.gamma}, rejection)" if args.gamma else "plain"
     print(

@@ -226,6 +226,11 @@ def heldout(wd: Path, num_prompts: int, batch: int) -> dict:
         analytic_alpha=sum(overlap) / max(sum(drafted), 1),
         drafted_tokens=int(att.sum()),
         prompts=len(ids),
+        # Prompt i and its key depend on the batch size only; the padded width sets the shapes
+        # (a wider set can change a row's floats, so two evaluations agree row for row only
+        # where these match).
+        eval_batch=batch,
+        width=int(toks.shape[1]),
         per_prompt=[acc.sum(1).tolist(), att.sum(1).tolist()],  # accepts, attempts per prompt
         run=str(wd),
         steps_run=json.loads((wd / "mtp" / "summary.json").read_text())["steps_run"],
@@ -237,17 +242,17 @@ def paired_delta(a, b) -> tuple[float, float, int]:
     """Pooled acceptance of arm `a` minus arm `b` (accepted / attempted drafts over the prompts
     both were evaluated on), in points, its standard error paired by prompt (the ratio
     estimator's linearisation, z_i = (acc_i - r att_i) / mean(att) per arm, differenced per
-    prompt), and the number of prompts it stands on. `a`, `b`: per-prompt [accepts, attempts] of
-    the held-out prompts in order (prompt i and its sampling key are the same in every
-    evaluation, whatever their number: `heldout`), so two arms share their common prefix;
-    prompts without drafts in either arm are left out."""
+    prompt), and the number of prompts it stands on (those with drafts in both arms). `a`, `b`:
+    per-prompt [accepts, attempts] of the held-out prompts in order (prompt i and its sampling
+    key are the same in every evaluation of the same batch size, whatever their number:
+    `heldout`), so two arms share their common prefix."""
     n = min(len(a[0]), len(b[0]))
     (acc_a, att_a), (acc_b, att_b) = (np.asarray(x, np.float64)[:, :n] for x in (a, b))
     keep = (att_a > 0) & (att_b > 0)
     acc_a, att_a, acc_b, att_b = acc_a[keep], att_a[keep], acc_b[keep], att_b[keep]
     r_a, r_b = acc_a.sum() / att_a.sum(), acc_b.sum() / att_b.sum()
     z = (acc_a - r_a * att_a) / att_a.mean() - (acc_b - r_b * att_b) / att_b.mean()
-    return float(100 * (r_a - r_b)), float(100 * z.std(ddof=1) / np.sqrt(len(z))), n
+    return float(100 * (r_a - r_b)), float(100 * z.std(ddof=1) / np.sqrt(len(z))), len(z)
 
 
 def table(rows: dict) -> str:
@@ -326,6 +331,8 @@ def main():
     t0 = time.perf_counter()
     want = {loss: wanted_config(spec, loss, args.override) for loss in losses}
     retrain = set(filter(None, args.retrain.split(",")))
+    if retrain - set(losses):
+        raise SystemExit(f"--retrain: {sorted(retrain - set(losses))} not in --losses {losses}")
     kept = {loss: kept_arm(args.model, loss, want[loss]) for loss in losses if loss not in retrain}
     kept = {loss: k for loss, k in kept.items() if k is not None}
     todo = [loss for loss in losses if loss not in kept]
@@ -336,13 +343,19 @@ def main():
         cache = (root / loss) / "heldout.json"
         steps_run = json.loads((wd / "mtp" / "summary.json").read_text())["steps_run"]
         saved = json.loads(cache.read_text()) if cache.exists() else {}
-        same = (saved.get("prompts"), saved.get("run"), saved.get("steps_run"))
-        if same != (args.eval_prompts, str(wd), steps_run):  # not this run's final MTP yet
+        same = tuple(saved.get(k) for k in ("prompts", "eval_batch", "run", "steps_run"))
+        if same != (args.eval_prompts, args.eval_batch, str(wd), steps_run):  # not evaluated yet
             saved = heldout(wd, args.eval_prompts, args.eval_batch)
             cache.parent.mkdir(parents=True, exist_ok=True)
             cache.write_text(json.dumps(saved))
         kept[loss] = keep_arm(args.model, loss, want[loss], wd, saved)
     rows = {loss: kept[loss]["heldout"] for loss in losses}
+    if rows["ce"]["prompts"] < args.eval_prompts:
+        print(
+            f"note: CE was evaluated on {rows['ce']['prompts']} prompts, so every Δ stands on at "
+            f"most those (--retrain ce evaluates it on {args.eval_prompts})",
+            flush=True,
+        )
     for loss, r in rows.items():
         print(f"{loss}: held-out RS accept length {r['rs_accept_len']:.3f}", flush=True)
         r["delta_vs_ce"] = paired_delta(r["per_prompt"], rows["ce"]["per_prompt"])
