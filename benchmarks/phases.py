@@ -65,8 +65,9 @@ def _opcode(rhs: str) -> str:
 
 
 def op_stacks(hlo_text: str) -> dict[str, list[str]]:
-    """Instruction name -> the Python functions of its stack, outermost first; [] for an op the
-    compiler made (a copy it inserted, ...). Ops that only hold other ops -- a while loop, a
+    """Instruction name -> the Python functions of its stack, outermost first; [] for an op that
+    XLA made or rewrote without keeping its origin (an inserted copy; on CPU the 1-row matrix
+    products, rewritten as transposed-operand dots). Ops that only hold other ops -- a while loop, a
     call -- are left out."""
     functions = {}
     for line in _table(hlo_text, "FunctionNames"):
@@ -102,7 +103,7 @@ def op_stacks(hlo_text: str) -> dict[str, list[str]]:
 def phase_of(stack: list[str], speculative_loop: bool) -> str:
     """The loop phase an op with this Python stack belongs to (the outermost phase frame)."""
     if not stack:
-        return "(no Python stack: made by the compiler)"
+        return "(no Python stack: made or rewritten by XLA)"
     if speculative_loop and "run_cycles" in stack and "_cycle" not in stack:
         return "loop condition"
     loop = "_cycle" if speculative_loop else "_run"
