@@ -315,7 +315,8 @@ def main():
     ap.add_argument(
         "--retrain",
         default="",
-        help="comma-separated arms to train and evaluate again though kept (e.g. on more prompts)",
+        help="comma-separated kept arms not to reuse: evaluated again from their run directory "
+        "if it is here, else trained again (e.g. to stand on more prompts)",
     )
     # Prompt i's sampling key depends on the batch it is in: keep this for comparable arms.
     ap.add_argument("--eval_batch", type=int, default=64)
