@@ -10,11 +10,11 @@ How: the optimised HLO names every instruction and points it at its Python stack
 same name. An op belongs to the outermost frame that is a phase of `speculative._cycle`
 (`_catch_up`, `_draft`, `_verify`, `accept`, `_emit`, `_roll_back`) or, for the plain sampler,
 of its step (`model`: the forward; else the function that emitted the op); ops outside the loop
-(prefill, set-up, output) are one line. Figures are
-per loop iteration (cycle or step): traced op time and op count per phase, their shares, and
-the costliest ops. Tracing slows every op by a fixed amount, so phases made of many small ops
-look larger than they are; the untraced wall time per iteration is printed next to it. EOS is
-off (every row emits `--new_tokens`); the prompts are the task's (`benchmarks/rollout.py`'s).
+(prefill, set-up, output) are one line. Figures are per loop iteration (cycle or step): traced
+op time and op count per phase, their shares, and the costliest ops. Tracing slows every op by
+a fixed amount, so phases made of many small ops look larger than they are; the untraced wall
+time per iteration is printed next to it. EOS is off (every row emits `--new_tokens`); the
+prompts are the task's (`benchmarks/rollout.py`'s).
 Last line: one JSON object.
 """
 
@@ -157,8 +157,8 @@ def main():
     key = jax.random.key(1)
     if args.gamma:
         spec = speculative.SpecConfig(args.gamma, "rejection")
-        jitted, call = speculative.sample_jit, (*pol, *mtp, toks, lens, key, scfg, spec, vocab)
-        call = (*call, layers)
+        jitted = speculative.sample_jit
+        call = (*pol, *mtp, toks, lens, key, scfg, spec, vocab, layers)
     else:
         jitted, call = sampling.sample_jit, (*pol, toks, lens, key, scfg, layers)
     out = jax.block_until_ready(jitted(*call))
