@@ -11,16 +11,20 @@ Grid: batch sizes x γ x temperatures x rules (flags). Per cell: tokens/s, speed
 sampler, accept length (tokens per target forward), per-position acceptance, and the
 efficiency = measured speedup / predicted speedup, where the predicted speedup is the ratio of
 the two loops' modelled seconds per token, each over its own run's tokens:
-    predicted = (plain steps * t_step / plain tokens)
-                / (speculative cycles * (t_verify(γ+1) + γ t_draft) / speculative tokens),
-so efficiency = modelled / measured time of the speculative loop. t_step is the plain sampler's
-own time per loop step; t_verify and t_draft are timed as jitted loops of that one forward the
-way the samplers run it (`spec_compacted.loop_costs`: prepared weights, carried cache, outputs
-used); loop steps and cycles are counted until each batch's slowest row ends. (The two runs
-draw different samples, so their lengths differ: a prediction without the token counts moved
-the efficiency by the ratio of the two runs' tokens, e.g. 0.82 at B=1, T=0.7, γ=2.) Both
-samplers get the decode weights prepared once (`model.decode_layers_jit`), as RL and
-distillation do.
+    predicted = (plain seconds / plain tokens)
+                / ((spec set-up + speculative cycles * (t_verify(γ+1) + γ t_draft)) / spec tokens),
+so efficiency = modelled / measured time of the speculative sampler, and loop_efficiency =
+cycles * (t_verify(γ+1) + γ t_draft) / (measured time - spec set-up): the cycles alone against
+their cost model. The set-up (the prompt's prefill: the policy's, and for the speculative
+sampler also the MTP's, and the first token) is timed on its own, best of the repeats, as the
+jitted initial state of each sampler (`sampling._init_jit`, `spec_compacted._init_jit`); t_step
+is the plain sampler's loop step, (plain seconds - plain set-up) / plain steps. t_verify and
+t_draft are timed as jitted loops of that one forward the way the samplers run it
+(`spec_compacted.loop_costs`: prepared weights, carried cache, outputs used); loop steps and
+cycles are counted until each batch's slowest row ends. (The two runs draw different samples,
+so their lengths differ: a prediction without the token counts moved the efficiency by the
+ratio of the two runs' tokens, e.g. 0.82 at B=1, T=0.7, γ=2.) Both samplers get the decode
+weights prepared once (`model.decode_layers_jit`), as RL and distillation do.
 Last line: one JSON object.
 """
 
@@ -146,12 +150,16 @@ def main():
             def plain(t, ln, i, scfg=scfg, keys=keys):
                 return sampling.sample_jit(*pol, t, ln, keys[i], scfg, layers)
 
+            def plain_setup(t, ln, i, scfg=scfg, keys=keys):
+                return sampling._init_jit(*pol, t, ln, keys[i], scfg, layers)
+
             t_plain, outs = timed_pass(plain, parts, args.repeats)
+            setup_plain, _ = timed_pass(plain_setup, parts, max(args.repeats, 3))
             plain_tokens = sum(int(o.lengths.sum()) for o in outs)
             plain_tps = plain_tokens / t_plain
             # The plain loop runs until its longest row ends: one step per token of that row.
             plain_steps = sum(int(o.lengths.max()) for o in outs)
-            t_step = t_plain / plain_steps
+            t_step = (t_plain - setup_plain) / plain_steps
             for g in gammas:
                 for rule in rules:
                     spec = speculative.SpecConfig(g, rule)
@@ -161,18 +169,23 @@ def main():
                             *pol, *mtp, t, ln, keys[i], scfg, spec, vocab, layers
                         )
 
+                    def setup(t, ln, i, spec=spec, scfg=scfg, keys=keys):
+                        y = spec.num_draft  # as `speculative.sample` sets the loop up
+                        args = (*pol, *mtp, vocab, layers, t, ln, keys[i], scfg, spec)
+                        return spec_compacted._init_jit(*args, y > 0, y, 0)
+
                     t, outs = timed_pass(run, parts, args.repeats)
+                    setup_spec, _ = timed_pass(setup, parts, max(args.repeats, 3))
                     pooled = jax.tree.map(lambda *x: np.concatenate(x), *jax.device_get(outs))
                     summ = speculative.summarize(pooled)  # all rows of all batches
                     tps = summ["tokens"] / t
-                    # Cost model: each cycle of the loop (until its slowest row ends) is one
-                    # (γ+1)-token verify + γ MTP calls (catch-up + γ-1 chain steps); each plain
-                    # step the plain sampler's own measured step. Per token of each run.
+                    # Cost model: the set-up, then each cycle of the loop (until its slowest
+                    # row ends) one (γ+1)-token verify + γ MTP calls (catch-up + γ-1 chain
+                    # steps); the plain sampler as measured. Per token of each run.
                     cycles = sum(int(o.stats.verify_calls.max()) for o in outs)
                     t_cycle = costs[f"verify_{g + 1}"] + g * costs["draft"]
-                    predicted = (plain_steps * t_step / plain_tokens) / (
-                        cycles * t_cycle / summ["tokens"]
-                    )
+                    modelled = setup_spec + cycles * t_cycle
+                    predicted = (t_plain / plain_tokens) / (modelled / summ["tokens"])
                     row = {
                         "batch": b,
                         "temperature": temp,
@@ -186,8 +199,12 @@ def main():
                         **{f"accept_rate_{k}": summ[f"accept_rate_{k}"] for k in range(1, g + 1)},
                         "predicted_speedup": predicted,
                         "efficiency": (tps / plain_tps) / predicted,
+                        "loop_efficiency": cycles * t_cycle / (t - setup_spec),
                         "step_ms": 1e3 * t_step,
-                        "cycle_ms": 1e3 * t / cycles,
+                        "cycle_ms": 1e3 * (t - setup_spec) / cycles,
+                        "setup_ms_plain": 1e3 * setup_plain / len(parts),
+                        "setup_ms_spec": 1e3 * setup_spec / len(parts),
+                        "setup_share_spec": setup_spec / t,
                         "model_cycle_ms": 1e3 * t_cycle,
                         "verify_cost": costs[f"verify_{g + 1}"] / t_step,
                         "verify_cost_vs_1": costs[f"verify_{g + 1}"] / costs["verify_1"],
@@ -201,7 +218,9 @@ def main():
                         f"B={b:3d} T={temp:.1f} γ={g} {rule:11s} plain {plain_tps:8.1f} tok/s  "
                         f"spec {tps:8.1f} tok/s  speedup {row['speedup']:.2f}x  "
                         f"accept_len {summ['accept_len']:.2f} ({per_pos})  "
-                        f"predicted {predicted:.2f}x  eff {row['efficiency']:.2f}  "
+                        f"predicted {predicted:.2f}x  eff {row['efficiency']:.2f} "
+                        f"(loop {row['loop_efficiency']:.2f}, "
+                        f"set-up {row['setup_share_spec']:.0%})  "
                         f"verify {row['verify_cost']:.2f}x  draft {row['draft_cost']:.2f}x",
                         flush=True,
                     )
