@@ -98,6 +98,31 @@ def batches(toks_NxP, lens_N, b):
     return [(toks_NxP[idx[i : i + b]], lens_N[idx[i : i + b]]) for i in range(0, len(idx), b)]
 
 
+def cost_model(plain: dict, spec: dict, costs: dict, gamma: int) -> dict:
+    """The figures the module docstring defines, from one cell's timings. `plain`: seconds `t`,
+    set-up seconds `setup`, loop `steps`, `tokens`; `spec`: `t`, `setup`, `cycles`, `tokens`;
+    `costs`: `spec_compacted.loop_costs`' seconds per iteration (`verify_{W}`, `draft`)."""
+    t_step = (plain["t"] - plain["setup"]) / plain["steps"]
+    t_cycle = costs[f"verify_{gamma + 1}"] + gamma * costs["draft"]
+    modelled = spec["setup"] + spec["cycles"] * t_cycle
+    predicted = (plain["t"] / plain["tokens"]) / (modelled / spec["tokens"])
+    speedup = (spec["tokens"] / spec["t"]) / (plain["tokens"] / plain["t"])
+    loop_s = spec["t"] - spec["setup"]
+    return {
+        "speedup": speedup,
+        "predicted_speedup": predicted,
+        "efficiency": speedup / predicted,
+        "loop_efficiency": spec["cycles"] * t_cycle / loop_s,
+        "step_ms": 1e3 * t_step,
+        "cycle_ms": 1e3 * loop_s / spec["cycles"],
+        "model_cycle_ms": 1e3 * t_cycle,
+        "setup_share_spec": spec["setup"] / spec["t"],
+        "verify_cost": costs[f"verify_{gamma + 1}"] / t_step,
+        "verify_cost_vs_1": costs[f"verify_{gamma + 1}"] / costs["verify_1"],
+        "draft_cost": costs["draft"] / t_step,
+    }
+
+
 def timed_pass(fn, parts, repeats):
     """Best-of-`repeats` wall time of running `fn` over every batch (compiled first), and the
     outputs of the last pass."""
@@ -162,7 +187,7 @@ def main():
             plain_tps = plain_tokens / t_plain
             # The plain loop runs until its longest row ends: one step per token of that row.
             plain_steps = sum(int(o.lengths.max()) for o in outs)
-            t_step = (t_plain - setup_plain) / plain_steps
+            plain_run = dict(t=t_plain, setup=setup_plain, steps=plain_steps, tokens=plain_tokens)
             for g in gammas:
                 for rule in rules:
                     spec = speculative.SpecConfig(g, rule)
@@ -186,9 +211,8 @@ def main():
                     # row ends) one (γ+1)-token verify + γ MTP calls (catch-up + γ-1 chain
                     # steps); the plain sampler as measured. Per token of each run.
                     cycles = sum(int(o.stats.verify_calls.max()) for o in outs)
-                    t_cycle = costs[f"verify_{g + 1}"] + g * costs["draft"]
-                    modelled = setup_spec + cycles * t_cycle
-                    predicted = (t_plain / plain_tokens) / (modelled / summ["tokens"])
+                    spec_run = dict(t=t, setup=setup_spec, cycles=cycles, tokens=summ["tokens"])
+                    figures = cost_model(plain_run, spec_run, costs, g)
                     row = {
                         "batch": b,
                         "temperature": temp,
@@ -196,22 +220,12 @@ def main():
                         "rule": rule,
                         "plain_tok_s": plain_tps,
                         "spec_tok_s": tps,
-                        "speedup": tps / plain_tps,
                         "accept_len": summ["accept_len"],
                         "accept_rate": summ["accept_rate"],
                         **{f"accept_rate_{k}": summ[f"accept_rate_{k}"] for k in range(1, g + 1)},
-                        "predicted_speedup": predicted,
-                        "efficiency": (tps / plain_tps) / predicted,
-                        "loop_efficiency": cycles * t_cycle / (t - setup_spec),
-                        "step_ms": 1e3 * t_step,
-                        "cycle_ms": 1e3 * (t - setup_spec) / cycles,
+                        **figures,
                         "setup_ms_plain": 1e3 * setup_plain / len(parts),
                         "setup_ms_spec": 1e3 * setup_spec / len(parts),
-                        "setup_share_spec": setup_spec / t,
-                        "model_cycle_ms": 1e3 * t_cycle,
-                        "verify_cost": costs[f"verify_{g + 1}"] / t_step,
-                        "verify_cost_vs_1": costs[f"verify_{g + 1}"] / costs["verify_1"],
-                        "draft_cost": costs["draft"] / t_step,
                         "plain_tokens": plain_tokens,
                         "spec_tokens": summ["tokens"],
                     }
@@ -221,7 +235,8 @@ def main():
                         f"B={b:3d} T={temp:.1f} γ={g} {rule:11s} plain {plain_tps:8.1f} tok/s  "
                         f"spec {tps:8.1f} tok/s  speedup {row['speedup']:.2f}x  "
                         f"accept_len {summ['accept_len']:.2f} ({per_pos})  "
-                        f"predicted {predicted:.2f}x  eff {row['efficiency']:.2f} "
+                        f"predicted {row['predicted_speedup']:.2f}x  "
+                        f"eff {row['efficiency']:.2f} "
                         f"(loop {row['loop_efficiency']:.2f}, "
                         f"set-up {row['setup_share_spec']:.0%})  "
                         f"verify {row['verify_cost']:.2f}x  draft {row['draft_cost']:.2f}x",
