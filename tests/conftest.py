@@ -13,12 +13,8 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from bebop.config import FAST_COMPILE_XLA_FLAGS  # noqa: E402
 
-# Eigen's ops single-threaded: two xdist workers (and their `launch.py` subprocesses) already
-# keep both cores busy, and per-op thread pools only add contention (test_compaction.py +
-# test_speculative.py on 2 workers: 4 min 33 s instead of 5 min 13 s, user CPU -14 %).
 os.environ["XLA_FLAGS"] = " ".join(
     [os.environ.get("XLA_FLAGS", ""), "--xla_force_host_platform_device_count=8"]
-    + ["--xla_cpu_multi_thread_eigen=false"]
     + list(FAST_COMPILE_XLA_FLAGS)
 ).strip()
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
