@@ -433,9 +433,20 @@ def prefill(graphdef, params, tokens_BxT, lengths_B, max_len: int, layers=None):
     return extend(graphdef, params, cache, tokens_BxT, lengths_B, layers)
 
 
-def prefill_last(graphdef, params, tokens_BxT, lengths_B, max_len: int, layers=None):
+def prefill_last(graphdef, params, tokens_BxT, lengths_B, max_len: int, layers=None, group=1):
     """Like `prefill`, but projects only each row's last prompt position to logits (a full
-    `[B, T, V]` would be large for big vocabularies). Returns (logits_BxV, hidden_BxTxD, cache)."""
+    `[B, T, V]` would be large for big vocabularies). Returns (logits_BxV, hidden_BxTxD, cache).
+
+    `group` > 1: the rows come in runs of `group` identical prompts (an RL batch's GRPO groups;
+    the caller guarantees it: `sampling.check_prompt_groups`). The forward runs on the first row
+    of each run and its outputs are repeated to the run's rows: 1/`group` of the prefill's work."""
+    if group > 1:
+        if tokens_BxT.shape[0] % group:
+            raise ValueError(f"prefill_last: {tokens_BxT.shape[0]} rows are not runs of {group}")
+        runs = prefill_last(
+            graphdef, params, tokens_BxT[::group], lengths_B[::group], max_len, layers
+        )
+        return jax.tree.map(lambda x: jnp.repeat(x, group, axis=0), runs)
     policy = nnx.merge(graphdef, params)
     cache = new_cache(policy.cfg, tokens_BxT.shape[0], max_len)
     positions_BxT = cache.positions(tokens_BxT.shape[1])

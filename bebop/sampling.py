@@ -35,6 +35,9 @@ class SamplingConfig:
     max_new_tokens: int = 32
     eos_ids: tuple[int, ...] = (2,)
     pad_id: int = 0
+    # Rows come in runs of this many identical prompts (GRPO groups): the prefill runs once per
+    # run (`model.prefill_last`). Same caches, own keys per row: the samples do not change.
+    prompt_group: int = 1
 
 
 @struct.dataclass
@@ -71,6 +74,25 @@ def pad_prompts(
     for i, p in enumerate(prompts):
         out[i, : len(p)] = p
     return out, np.asarray([len(p) for p in prompts], np.int32)
+
+
+def check_prompt_groups(prompt_BxP, prompt_lens_B, group: int) -> None:
+    """Raises ValueError unless the rows come in runs of `group` identical prompts, as
+    `SamplingConfig.prompt_group` promises the prefill (host arrays)."""
+    if group == 1:
+        return
+    toks, lens = np.asarray(prompt_BxP), np.asarray(prompt_lens_B)
+    if group < 1 or len(toks) % group:
+        raise ValueError(f"prompt_group={group}: {len(toks)} prompt rows are not runs of {group}")
+    runs_GxRxP = toks.reshape(-1, group, toks.shape[1])
+    lens_GxR = lens.reshape(-1, group)
+    bad = (runs_GxRxP != runs_GxRxP[:, :1]).any(-1) | (lens_GxR != lens_GxR[:, :1])
+    if bad.any():
+        row = int(np.flatnonzero(bad)[0])
+        raise ValueError(
+            f"prompt_group={group}: prompt row {row} differs from row {row - row % group}, "
+            "the first of its run"
+        )
 
 
 def process_logits(logits_BxV: jax.Array, cfg: SamplingConfig) -> jax.Array:
@@ -178,7 +200,7 @@ def _init(graphdef, params, prompt_BxP, prompt_lens_B, rng, cfg: SamplingConfig,
     b, p = prompt_BxP.shape
     n = cfg.max_new_tokens
     last_BxV, _, cache = model.prefill_last(
-        graphdef, params, prompt_BxP, prompt_lens_B, p + n, layers
+        graphdef, params, prompt_BxP, prompt_lens_B, p + n, layers, cfg.prompt_group
     )
     zeros_f = jnp.zeros((b, n), jnp.float32)
     out = SampleOutput(

@@ -258,8 +258,9 @@ def init_state(m: Models, pol_gd, pol_params, prompt_BxP, prompt_lens_B, row_key
     rows, width = prompt_BxP.shape
     n, y = scfg.max_new_tokens, m.max_draft
     w = catch_width(spec.num_draft, m.sync_mtp, n, y)
+    g = scfg.prompt_group
     last_BxV, hid_BxPxD, policy_cache = model.prefill_last(
-        pol_gd, pol_params, prompt_BxP, prompt_lens_B, m.max_len, m.layers
+        pol_gd, pol_params, prompt_BxP, prompt_lens_B, m.max_len, m.layers, g
     )
     first_B = draw(_fold(row_keys_B, 0), process_logits(last_BxV, scfg), scfg)
     first_logp_BxV = stats_logprobs(last_BxV, scfg)
@@ -268,9 +269,15 @@ def init_state(m: Models, pol_gd, pol_params, prompt_BxP, prompt_lens_B, row_key
     next_tok_BxP = jnp.where(
         jnp.arange(width)[None] == (prompt_lens_B - 1)[:, None], first_B[:, None], next_tok_BxP
     )
-    mtp_cache = mtp_lib.new_cache(policy.cfg, m.mtp.num_layers, rows, m.max_len + m.mtp_slack)
+    # With prompt groups, once per run: slot P_b-1, the only one that differs within a run (its
+    # first sampled token), lies past the kept length and the catch-up rewrites it.
+    mtp_cache = mtp_lib.new_cache(policy.cfg, m.mtp.num_layers, rows // g, m.max_len + m.mtp_slack)
     for j in range(m.mtp.num_layers):
-        _, _, mtp_cache = mtp_lib.extend(m.mtp, policy, j, mtp_cache, hid_BxPxD, next_tok_BxP)
+        _, _, mtp_cache = mtp_lib.extend(
+            m.mtp, policy, j, mtp_cache, hid_BxPxD[::g], next_tok_BxP[::g]
+        )
+    if g > 1:
+        mtp_cache = jax.tree.map(lambda x: jnp.repeat(x, g, axis=0), mtp_cache)
     mtp_cache = mtp_cache.advance(prompt_lens_B - 1)
     catch_hid = jnp.zeros((rows, w, policy.cfg.dim), hid_BxPxD.dtype)
     catch_hid = catch_hid.at[:, 0].set(_take(hid_BxPxD, prompt_lens_B - 1))

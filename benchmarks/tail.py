@@ -2,6 +2,7 @@
 
     python benchmarks/tail.py --model demo --workdir runs/demo_base          # B=64 demo prompts
     python benchmarks/tail.py --model smollm2 --batch 16 --new_tokens 256 [--mtp_ckpt DIR]
+    python benchmarks/tail.py --model demo --workdir runs/demo --batch 128 --group 8 --gamma 2
 
 One batch of `--batch` rows (the RL task's held-out prompts, each once; the demo's rollout
 temperature and token budget unless given), sampled with the real response-length
@@ -10,13 +11,16 @@ compacted plain (`sampling.sample_compacted`: half the rows each time the live r
 half), the static speculative loop at `--gamma`, and compacted speculative with a γ per bucket
 (`--draft_table`, e.g. "64:0,16:2"; `auto`: `compaction.draft_table` from the verify / draft
 costs `spec_compacted.loop_costs` measures at each bucket size and the static speculative run's
-per-position acceptance). Wall time: best of `--repeats` after a warm-up call that compiles.
+per-position acceptance). `--group G`: an RL batch's layout, batch / G prompts each over G rows,
+prefilled once per group (both samplers); the static loops are also timed with a prefill per
+row. Wall time: best of `--repeats` after a warm-up call that compiles.
 Prints each variant's time and its ratio to the static plain loop; last line: one JSON object.
 """
 
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import sys
 import time
@@ -63,8 +67,17 @@ def main():
     ap.add_argument("--min_bucket", type=int, default=8)
     ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--prompts", choices=["task", "mixed"], default="task")
+    ap.add_argument(
+        "--group",
+        type=int,
+        default=1,
+        help="GRPO-shaped: batch / group prompts, each over a run of `group` rows, prefilled "
+        "once per run (`SamplingConfig.prompt_group`); also times both static loops without",
+    )
     args = ap.parse_args()
-    args.num_prompts = args.batch
+    if args.group < 1 or args.batch % args.group:
+        ap.error(f"--group {args.group} must divide --batch {args.batch}")
+    args.num_prompts = args.batch // args.group
 
     mesh = sharding.make_mesh(config_lib.MeshConfig(data=1), jax.devices()[:1])
     pol, mtp, vocab, tok, ids, mtp_source = load_models(args, mesh)
@@ -79,8 +92,10 @@ def main():
         max_new_tokens=args.new_tokens or rollout.max_new_tokens,
         eos_ids=tuple(tok.eos_ids),
         pad_id=tok.pad_id,
+        prompt_group=args.group,
     )
-    toks, lens = sampling.pad_prompts(ids[: args.batch], tok.pad_id)
+    rows = [p for p in ids[: args.num_prompts] for _ in range(args.group)]
+    toks, lens = sampling.pad_prompts(rows, tok.pad_id)
     layers = model.decode_layers_jit(*pol)
     key, mb = jax.random.key(0), args.min_bucket
     spec = speculative.SpecConfig(args.gamma, args.rule)
@@ -98,6 +113,17 @@ def main():
         args.repeats,
     )
     summ = speculative.summarize(static_spec)
+    if args.group > 1:  # the same static loops, one prefill per row
+        ungrouped = dataclasses.replace(scfg, prompt_group=1)
+        res["static_plain_ungrouped_s"], _ = best_time(
+            lambda: sampling.sample_jit(*pol, toks, lens, key, ungrouped, layers), args.repeats
+        )
+        res["static_spec_ungrouped_s"], _ = best_time(
+            lambda: speculative.sample_jit(
+                *pol, *mtp, toks, lens, key, ungrouped, spec, vocab, layers
+            ),
+            args.repeats,
+        )
     if args.draft_table == "auto":
         context = int(toks.shape[1]) + scfg.max_new_tokens // 2
         sizes = compaction.bucket_sizes(args.batch, mb)
@@ -126,6 +152,12 @@ def main():
     # what speculation adds to a tail-aware rollout (the RL stage's `rollout_speedup` with
     # `rollout.compact` on compares these two)
     res["compact_spec_vs_compact_plain"] = res["compact_plain_s"] / res["compact_spec_s"]
+    if args.group > 1:  # what one prefill per group saves, and speculation without it
+        for name in ("static_plain", "static_spec"):
+            res[f"{name}_group_gain"] = res[f"{name}_ungrouped_s"] / res[f"{name}_s"]
+        res["static_spec_vs_plain_ungrouped"] = (
+            res["static_plain_ungrouped_s"] / res["static_spec_ungrouped_s"]
+        )
     print(
         f"B={args.batch} lengths median {np.median(lengths):.0f} max {lengths.max()} "
         f"(budget {scfg.max_new_tokens})  draft table {table}  accept_rate "
@@ -137,6 +169,13 @@ def main():
         f"{res['compact_spec_vs_compact_plain']:.2f}x compacted plain)",
         flush=True,
     )
+    if args.group > 1:
+        print(
+            f"groups of {args.group}: static plain {res['static_plain_group_gain']:.2f}x and "
+            f"static spec {res['static_spec_group_gain']:.2f}x faster than with a prefill per "
+            f"row (spec vs plain without groups: {res['static_spec_vs_plain_ungrouped']:.2f}x)",
+            flush=True,
+        )
     print(
         json.dumps(
             {
@@ -147,6 +186,7 @@ def main():
                 "temperature": scfg.temperature,
                 "rule": args.rule,
                 "gamma": args.gamma,
+                "group": args.group,
                 "min_bucket": mb,
                 "draft_table": table,
                 "accept_rate": summ["accept_rate"],

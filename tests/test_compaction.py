@@ -276,3 +276,75 @@ def test_rollouts_derive_the_draft_table_from_costs_and_the_running_acceptance()
         ro.update_draft_table([100, 0, 0], [50, 0, 0])
     assert ro.acceptance.rates() == pytest.approx([0.5, 0.3, 1 / 3])
     assert compaction.expected_tokens([0.8, 0.75], 3) == pytest.approx(2.85)
+
+
+# ----------------------------------------------------------------------------- prompt groups
+
+# GRPO's layout: 4 prompts of different lengths, each repeated over a run of 4 rows.
+GROUPED = [p for p in PROMPTS[:4] for _ in range(4)]
+
+
+def _grouped(scfg, group=4):
+    return dataclasses.replace(scfg, prompt_group=group)
+
+
+@pytest.mark.parametrize("rule", ["plain", "rejection"])
+def test_prompt_groups_prefill_once_and_sample_the_same(rule):
+    """`prompt_group`: the prefill runs once per run of identical prompts; every output (stats,
+    recorded hiddens and cycle lengths too) equals the ungrouped sampler's for the same keys.
+    (Both rules and the compacted drivers start from the same `speculative.init_state`.)"""
+    pol, mtp = _models("agrees_often")
+    scfg = sampling.SamplingConfig(temperature=1.0, max_new_tokens=N, eos_ids=EOS)
+    toks, lens = sampling.pad_prompts(GROUPED)
+    key = jax.random.key(3)
+    if rule == "plain":
+        run = lambda c: sampling.sample_jit(*pol, toks, lens, key, c)  # noqa: E731
+    else:
+        spec = SpecConfig(3, rule, record=True)
+        run = lambda c: speculative.sample_jit(*pol, *mtp, toks, lens, key, c, spec)  # noqa: E731
+    ref = jax.device_get(run(scfg))
+    _assert_same(run(_grouped(scfg)), ref)
+    if rule != "plain":
+        assert 0 < ref.stats.accepts.sum() < ref.stats.attempts.sum()
+        ref = ref.sample
+    # each row still draws from its own key: the rows of a run sampled different responses
+    assert all(len({tuple(r) for r in ref.tokens[i : i + 4]}) > 1 for i in range(0, 16, 4))
+
+
+def test_prompt_groups_cut_the_prefills_work():
+    """XLA's cost analysis of the compiled set-up (prefill and initial state) of both samplers:
+    runs of 4 identical prompts cost at most 0.3x the floating-point work of 16 prefills."""
+    pol, mtp = _models("agrees_often")
+    scfg = sampling.SamplingConfig(temperature=1.0, max_new_tokens=N, eos_ids=EOS)
+    toks, lens = sampling.pad_prompts(GROUPED)
+    layers = model.decode_layers_jit(*pol)
+    spec = SpecConfig(3, "rejection")
+
+    def flops(lowered):
+        cost = lowered.compile().cost_analysis()
+        return (cost[0] if isinstance(cost, list) else cost)["flops"]
+
+    for group in (1, 4):
+        c = _grouped(scfg, group)
+        plain = sampling._init_jit.lower(*pol, toks, lens, jax.random.key(0), c, layers)
+        speculative_ = spec_compacted._init_jit.lower(
+            *pol, *mtp, None, layers, toks, lens, jax.random.key(0), c, spec, False, 3, 0
+        )
+        if group == 1:
+            full = flops(plain), flops(speculative_)
+        else:
+            assert flops(plain) <= 0.3 * full[0], (flops(plain), full[0])
+            assert flops(speculative_) <= 0.3 * full[1], (flops(speculative_), full[1])
+
+
+def test_prompt_groups_are_checked_and_rollouts_use_them():
+    toks, lens = sampling.pad_prompts(GROUPED)
+    sampling.check_prompt_groups(toks, lens, 4)  # runs of 4: fine
+    with pytest.raises(ValueError, match="prompt row 4 differs from row 0"):
+        sampling.check_prompt_groups(toks, lens, 8)
+    with pytest.raises(ValueError, match="16 prompt rows are not runs of 3"):
+        sampling.check_prompt_groups(toks, lens, 3)
+    # `Rollouts` (one host, rows of batch i in GRPO groups) prefills once per group
+    cfg, _ = config.load(str(REPO / "configs/demo.py"), [])
+    ro = rollout.Rollouts(cfg, None, None, CharTokenizer(), None)
+    assert ro.scfg.prompt_group == cfg.rl.group_size == 8
