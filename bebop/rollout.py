@@ -105,9 +105,10 @@ class Rollouts:
 
     A batch's rows come in GRPO groups (`prompts`), so where the batch is host arrays (no mesh
     to spread over, or compaction on) the samplers prefill each group's prompt once
-    (`SamplingConfig.prompt_group` = `rl.group_size`; checked in `sample`): the same samples, 1/G
-    of the prefill (demo, 128 rows in groups of 8: plain 1.11x and speculative 1.27x faster,
-    `benchmarks/tail.py --group 8`).
+    (`SamplingConfig.prompt_group` = `rl.group_size`; checked in `sample`): the same samples for
+    the same keys (to the float rounding of a B/G-row prefill) for 1/G of the prefill's work
+    (demo, 128 rows in groups of 8: plain 1.11x and speculative 1.27x faster, `benchmarks/
+    tail.py --group 8`).
 
     With a `mesh`, a batch is laid out over it by rows (`sharding.batch_sharding`): each
     process builds the prompts of its own rows only (`self.rows`, `sharding.process_rows`),
@@ -117,8 +118,7 @@ class Rollouts:
     process that holds it: `sharding.RowShare`) are what the processes exchange, and the
     `LearnerBatch` holds this process's rows (`RolloutBatch.rows`). With `rollout.compact`
     every process holds every row (the tail-aware drivers move rows between devices on the
-    host), as without a mesh. On a one-device mesh the sampler takes host arrays (the programs
-    it compiles are then those of the stages' evaluations)."""
+    host), as without a mesh. On a one-device mesh the sampler takes host arrays."""
 
     def __init__(
         self,

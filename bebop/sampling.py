@@ -36,8 +36,14 @@ class SamplingConfig:
     eos_ids: tuple[int, ...] = (2,)
     pad_id: int = 0
     # Rows come in runs of this many identical prompts (GRPO groups): the prefill runs once per
-    # run (`model.prefill_last`). Same caches, own keys per row: the samples do not change.
+    # run (`model.prefill_last`) and its caches are copied to the run's rows, each keeping its
+    # own key: the samples of a prefill per row, to the float rounding of a B/G-row prefill.
+    # The caller guarantees the runs (`check_prompt_groups`; `rollout.Rollouts` checks).
     prompt_group: int = 1
+
+    def __post_init__(self):
+        if self.prompt_group < 1:
+            raise ValueError(f"SamplingConfig.prompt_group={self.prompt_group} must be >= 1")
 
 
 @struct.dataclass

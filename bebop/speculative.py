@@ -253,7 +253,7 @@ def accept(keys_B, logp_BxWxV, q_BxYxVd, d_idx_BxY, drafts_BxY, scfg, vocab_Vd=N
 def init_state(m: Models, pol_gd, pol_params, prompt_BxP, prompt_lens_B, row_keys_B) -> State:
     """Prefills the policy (the first token comes from the last prompt position) and the MTP on
     positions 0 .. P_b-2 (hidden at t, token t+1); position P_b-1 waits in the catch-up buffer
-    with the first sampled token."""
+    with the first sampled token. With `scfg.prompt_group` G, both once per run of G rows."""
     policy, scfg, spec = m.policy, m.scfg, m.spec
     rows, width = prompt_BxP.shape
     n, y = scfg.max_new_tokens, m.max_draft
@@ -269,8 +269,10 @@ def init_state(m: Models, pol_gd, pol_params, prompt_BxP, prompt_lens_B, row_key
     next_tok_BxP = jnp.where(
         jnp.arange(width)[None] == (prompt_lens_B - 1)[:, None], first_B[:, None], next_tok_BxP
     )
-    # With prompt groups, once per run: slot P_b-1, the only one that differs within a run (its
-    # first sampled token), lies past the kept length and the catch-up rewrites it.
+    # With prompt groups, once per run: an MTP slot's K/V depend only on its own (hidden, next
+    # token), so slot P_b-1 (the row's first sampled token) is the only one that differs within
+    # a run; it lies past the kept length, and the first catch-up (or `regamma`'s consume after
+    # a γ = 0 bucket) rewrites it before anything attends to it.
     mtp_cache = mtp_lib.new_cache(policy.cfg, m.mtp.num_layers, rows // g, m.max_len + m.mtp_slack)
     for j in range(m.mtp.num_layers):
         _, _, mtp_cache = mtp_lib.extend(
