@@ -40,7 +40,8 @@ def get_config(arg=None):
     # these 120 steps (3.31 after 100 KL steps, 3.49 after 100 KL + 100 TV, 77 s more).
     c.mtp.update(steps=120, warmup_loss_steps=60, eval_every=60, cache_hidden=True)
     c.mtp.optim.update(lr=2e-3, weight_decay=0.0)
-    c.rl.update(steps=120, eval_samples=512, eval_every=20)
+    # plain vs speculative rollout of one RL batch at the end, alternating, best of 5 each
+    c.rl.update(steps=120, eval_samples=512, eval_every=20, speedup_repeats=5)
     c.rl.optim.update(lr=3e-5, min_lr_ratio=1.0, weight_decay=0.0, b2=0.99)
     c.rl.mtp_optim.weight_decay = 0.0  # GrowMTP's recipe (lr 3e-4, 10 warm-up steps: defaults)
 

@@ -19,6 +19,7 @@ from bebop import (
     sharding,
     spec_compacted,
     speculative,
+    tasks,
 )
 from bebop import mtp as mtp_lib
 from bebop.speculative import SpecConfig
@@ -373,3 +374,28 @@ def test_prompt_groups_are_checked_and_rollouts_use_them():
         cfg, _ = config.load(str(REPO / "configs/demo.py"), [f"rollout.compact={compact}"])
         ro = rollout.Rollouts(cfg, None, None, CharTokenizer(), None, mesh=mesh_)
         assert ro.scfg.prompt_group == group, (compact, mesh_)
+
+
+def test_rollout_speedup_alternates_the_samplers_and_takes_each_ones_best(monkeypatch):
+    """`rollout.rollout_speedup` on scripted timings: one compiling call of each, then plain and
+    speculative alternate; each is its best (seconds, tokens) call after the first."""
+    cfg, _ = config.load(str(REPO / "configs/demo.py"), ["rl.speedup_repeats=3"])
+    ro = rollout.Rollouts(cfg, None, None, CharTokenizer(), tasks.make_task(cfg.task))
+    calls = []
+    scripted = {  # per sampler: (seconds, tokens) of calls 0 (compiles), 1, 2, 3
+        "plain": [(9.0, 100), (2.0, 100), (1.0, 120), (1.5, 100)],
+        "spec": [(9.0, 100), (0.5, 90), (0.8, 100), (0.4, 80)],
+    }
+
+    def fake(rollouts, pol, mtp, toks, lens, spec, rep):
+        name = "plain" if spec is None else "spec"
+        assert len(toks) == 128 and rep == len([c for c in calls if c[0] == name])
+        calls.append((name, rep))
+        return scripted[name][rep]
+
+    monkeypatch.setattr(rollout, "_timed_rollout", fake)
+    res = rollout.rollout_speedup(ro, None, None, cfg)
+    assert calls == [(n, r) for r in range(4) for n in ("plain", "spec")]
+    assert res["plain_s"] == 1.0 and res["plain_tok_s"] == 120.0
+    assert res["spec_s"] == 0.4 and res["spec_tok_s"] == 200.0
+    assert res["speedup"] == pytest.approx(200.0 / 120.0) and res["batch"] == 128
