@@ -89,6 +89,12 @@ def rope(x_BxTxNxDh: jax.Array, positions_BxT: jax.Array, theta: float) -> jax.A
     return out.astype(x_BxTxNxDh.dtype)
 
 
+def take_at(x_BxT, at_B):
+    """x[b, at_B[b]] for each row, kept as a length-1 axis: `[B, 1, ...]`."""
+    idx = at_B.reshape((-1, 1) + (1,) * (x_BxT.ndim - 2))
+    return jnp.take_along_axis(x_BxT, idx, axis=1)
+
+
 def attend(q_BxTxHxDh, k_BxKxSxDh, v_BxKxSxDh, mask_BxTxS):
     """Grouped-query attention; softmax in float32."""
     b, t, h, dh = q_BxTxHxDh.shape
@@ -122,29 +128,15 @@ class Attention(nnx.Module):
             self.q_norm = RMSNorm(dh, cfg.norm_eps, dt)
             self.k_norm = RMSNorm(dh, cfg.norm_eps, dt)
 
-    def __call__(self, x_BxTxD, positions_BxT, kv=None, offsets_B=None, valid_BxS=None):
+    def __call__(self, x_BxTxD, positions_BxT, kv=None, offsets_B=None, valid_BxS=None, at_B=None):
         """Without `kv`: causal attention over the T tokens (by position). With `kv` (this layer's
         `(k, v)` cache `[B, K, S, Dh]`): writes the T new entries at `offsets_B` and attends to
         every cache slot at or before each query's position (and, if given, marked in
-        `valid_BxS`). Returns (out, new kv or None)."""
+        `valid_BxS`). With `at_B` (and `kv`), only the query at index `at_B[b]` of row b attends
+        (out `[B, 1, D]`); every key and value is still written. Returns (out, new kv or None)."""
         cfg = self.cfg
         cdt = DTYPES[cfg.dtype]
-        x_BxTxD = x_BxTxD.astype(cdt)
-        if hasattr(self, "wqkv"):  # the decode layout (`fuse`)
-            q, k, v = self._fused_qkv(x_BxTxD, cdt)
-        else:
-            q = jnp.einsum("btd,dhe->bthe", x_BxTxD, compute_weight(self.wq, cdt))
-            k = jnp.einsum("btd,dke->btke", x_BxTxD, compute_weight(self.wk, cdt))
-            v = jnp.einsum("btd,dke->btke", x_BxTxD, compute_weight(self.wv, cdt))
-            if cfg.qkv_bias:
-                q = q + compute_weight(self.bq, cdt)
-                k = k + compute_weight(self.bk, cdt)
-                v = v + compute_weight(self.bv, cdt)
-        if cfg.qk_norm:
-            q, k = self.q_norm(q), self.k_norm(k)
-        q = rope(q, positions_BxT, cfg.rope_theta)
-        k_BxKxTxDh = rope(k, positions_BxT, cfg.rope_theta).transpose(0, 2, 1, 3)
-        v_BxKxTxDh = v.transpose(0, 2, 1, 3)
+        q, k_BxKxTxDh, v_BxKxTxDh = self._qkv(x_BxTxD, positions_BxT)
         if kv is None:
             keys, values, key_pos_BxS = k_BxKxTxDh, v_BxKxTxDh, positions_BxT
             new_kv = None
@@ -155,6 +147,8 @@ class Attention(nnx.Module):
                 jnp.arange(keys.shape[2]), (keys.shape[0], keys.shape[2])
             )
             new_kv = (keys, values)
+            if at_B is not None:
+                q, positions_BxT = take_at(q, at_B), take_at(positions_BxT, at_B)
         mask_BxTxS = key_pos_BxS[:, None, :] <= positions_BxT[:, :, None]
         if valid_BxS is not None:
             mask_BxTxS = mask_BxTxS & valid_BxS[:, None, :]
@@ -163,6 +157,38 @@ class Attention(nnx.Module):
         # One [H*Dh, D] matrix (a free reshape): contracting (h, e) in an einsum let XLA pick a
         # layout that transposed a copy of `wo` on every decode step.
         return out_BxTxHDh @ compute_weight(self.wo, cdt).reshape(h * dh, -1), new_kv
+
+    def _qkv(self, x_BxTxD, positions_BxT, with_q=True):
+        """q `[B, T, H, Dh]` (None unless `with_q`), k and v `[B, K, T, Dh]`, normed and rotated
+        as configured."""
+        cfg = self.cfg
+        cdt = DTYPES[cfg.dtype]
+        x_BxTxD = x_BxTxD.astype(cdt)
+        q = None
+        if hasattr(self, "wqkv"):  # the decode layout (`fuse`)
+            q, k, v = self._fused_qkv(x_BxTxD, cdt, with_q)
+        else:
+            if with_q:
+                q = jnp.einsum("btd,dhe->bthe", x_BxTxD, compute_weight(self.wq, cdt))
+            k = jnp.einsum("btd,dke->btke", x_BxTxD, compute_weight(self.wk, cdt))
+            v = jnp.einsum("btd,dke->btke", x_BxTxD, compute_weight(self.wv, cdt))
+            if cfg.qkv_bias:
+                q = None if q is None else q + compute_weight(self.bq, cdt)
+                k = k + compute_weight(self.bk, cdt)
+                v = v + compute_weight(self.bv, cdt)
+        if cfg.qk_norm:
+            q, k = None if q is None else self.q_norm(q), self.k_norm(k)
+        q = None if q is None else rope(q, positions_BxT, cfg.rope_theta)
+        k_BxKxTxDh = rope(k, positions_BxT, cfg.rope_theta).transpose(0, 2, 1, 3)
+        return q, k_BxKxTxDh, v.transpose(0, 2, 1, 3)
+
+    def write_kv(self, x_BxTxD, positions_BxT, kv, offsets_B):
+        """Only the cache update of `__call__` with `kv`: the T new keys and values written at
+        `offsets_B`, nothing attended (and no query projected). Returns the new kv."""
+        _, k_BxKxTxDh, v_BxKxTxDh = self._qkv(x_BxTxD, positions_BxT, with_q=False)
+        return kvcache.write(kv[0], k_BxKxTxDh, offsets_B), kvcache.write(
+            kv[1], v_BxKxTxDh, offsets_B
+        )
 
     def fuse(self):
         """In place: the decode layout, q, k and v projected by one `[D, (H + 2K) Dh]` matrix
@@ -183,15 +209,17 @@ class Attention(nnx.Module):
         for n in names:
             delattr(self, n)
 
-    def _fused_qkv(self, x_BxTxD, cdt):
+    def _fused_qkv(self, x_BxTxD, cdt, with_q=True):
         cfg = self.cfg
         h, kh, dh = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
-        qkv = x_BxTxD @ compute_weight(self.wqkv, cdt)
+        start = 0 if with_q else h * dh  # k and v alone: their columns of the one matrix
+        qkv = x_BxTxD @ compute_weight(self.wqkv, cdt)[:, start:]
         if cfg.qkv_bias:
-            qkv = qkv + compute_weight(self.bqkv, cdt)
+            qkv = qkv + compute_weight(self.bqkv, cdt)[start:]
         b, t = x_BxTxD.shape[:2]
-        q, k, v = jnp.split(qkv, [h * dh, (h + kh) * dh], axis=-1)
-        return q.reshape(b, t, h, dh), k.reshape(b, t, kh, dh), v.reshape(b, t, kh, dh)
+        q, k, v = jnp.split(qkv, [h * dh - start, (h + kh) * dh - start], axis=-1)
+        q = q.reshape(b, t, h, dh) if with_q else None
+        return q, k.reshape(b, t, kh, dh), v.reshape(b, t, kh, dh)
 
 
 class MLP(nnx.Module):
@@ -229,10 +257,19 @@ class Block(nnx.Module):
         self.mlp_norm = RMSNorm(cfg.dim, cfg.norm_eps, dt)
         self.mlp = MLP(cfg, rngs)
 
-    def __call__(self, x_BxTxD, positions_BxT, kv=None, offsets_B=None, valid_BxS=None):
-        h, new_kv = self.attn(self.attn_norm(x_BxTxD), positions_BxT, kv, offsets_B, valid_BxS)
+    def __call__(self, x_BxTxD, positions_BxT, kv=None, offsets_B=None, valid_BxS=None, at_B=None):
+        """With `at_B` (and `kv`): every position's key and value are written, but only position
+        `at_B[b]` of row b goes on through attention and the MLP (out `[B, 1, D]`)."""
+        xn_BxTxD = self.attn_norm(x_BxTxD)
+        h, new_kv = self.attn(xn_BxTxD, positions_BxT, kv, offsets_B, valid_BxS, at_B)
+        if at_B is not None and kv is not None:
+            x_BxTxD = take_at(x_BxTxD, at_B)
         x_BxTxD = x_BxTxD + h
         return x_BxTxD + self.mlp(self.mlp_norm(x_BxTxD)), new_kv
+
+    def write_kv(self, x_BxTxD, positions_BxT, kv, offsets_B):
+        """The block's cache update alone (its keys and values depend only on its input)."""
+        return self.attn.write_kv(self.attn_norm(x_BxTxD), positions_BxT, kv, offsets_B)
 
 
 def stacked_blocks(cfg: ModelConfig, num: int, rngs: nnx.Rngs, block_cls=None) -> nnx.Module:

@@ -48,12 +48,24 @@ class MTPLayer(nnx.Module):
         self.block = Block(cfg, rngs)
         self.out_norm = RMSNorm(cfg.dim, cfg.norm_eps, dt)
 
-    def __call__(self, emb_BxTxD, hid_BxTxD, positions_BxT, kv=None, offsets_B=None, valid=None):
+    def __call__(
+        self, emb_BxTxD, hid_BxTxD, positions_BxT, kv=None, offsets_B=None, valid=None, at_B=None
+    ):
+        """(out, normed out, new kv); with `at_B` the outputs are those of position `at_B[b]` of
+        each row only, `[B, 1, D]` (every position's key and value are written)."""
+        x_BxTxD = self._fc(emb_BxTxD, hid_BxTxD)
+        out_BxTxD, new_kv = self.block(x_BxTxD, positions_BxT, kv, offsets_B, valid, at_B)
+        return out_BxTxD, self.out_norm(out_BxTxD), new_kv
+
+    def write_kv(self, emb_BxTxD, hid_BxTxD, positions_BxT, kv, offsets_B):
+        """The layer's cache update alone: an entry's key and value depend only on its own
+        (token, hidden), so positions whose outputs nobody reads skip attention and the MLP."""
+        return self.block.write_kv(self._fc(emb_BxTxD, hid_BxTxD), positions_BxT, kv, offsets_B)
+
+    def _fc(self, emb_BxTxD, hid_BxTxD):
         cdt = DTYPES[self.cfg.dtype]
         x = jnp.concatenate([self.emb_norm(emb_BxTxD), self.hid_norm(hid_BxTxD)], axis=-1)
-        x_BxTxD = x.astype(cdt) @ compute_weight(self.w_fc, cdt)
-        out_BxTxD, new_kv = self.block(x_BxTxD, positions_BxT, kv, offsets_B, valid)
-        return out_BxTxD, self.out_norm(out_BxTxD), new_kv
+        return x.astype(cdt) @ compute_weight(self.w_fc, cdt)
 
 
 class MTP(nnx.Module):
@@ -166,19 +178,39 @@ def draft_head(policy, vocab_K=None) -> jax.Array:
     return head_DxV if vocab_K is None else jnp.take(head_DxV, vocab_K, axis=1)
 
 
-def extend(mtp: MTP, policy, layer: int, cache: KVCache, hid_BxTxD, tokens_BxT, valid_BxS=None):
+def extend(
+    mtp: MTP, policy, layer: int, cache: KVCache, hid_BxTxD, tokens_BxT, valid_BxS=None, at_B=None
+):
     """Runs MTP layer `layer` over T positions per row at the cache's lengths (no advance).
 
     Returns (hidden out `[B, T, D]` for the next chain step, the normed output `[B, T, D]` for
     `logits`, cache with that layer written). `valid_BxS` optionally masks cache slots (needed
-    when n > 1 layers leave gaps in a chain)."""
+    when n > 1 layers leave gaps in a chain). With `at_B`, the outputs are only those of index
+    `at_B[b]` of each row (`[B, 1, D]`): the other positions only write their keys and values
+    (a catch-up drafts from its last position alone)."""
     i = layer % mtp.num_layers
     positions = cache.positions(tokens_BxT.shape[1])
     emb = policy.embed_tokens(tokens_BxT)
     kv = (cache.k[i], cache.v[i])
-    out, normed, (k, v) = mtp.layer(i)(emb, hid_BxTxD, positions, kv, cache.lengths, valid_BxS)
+    lay = mtp.layer(i)
+    out, normed, (k, v) = lay(emb, hid_BxTxD, positions, kv, cache.lengths, valid_BxS, at_B)
+    return out, normed, _swap_layer(cache, i, k, v)
+
+
+def write_kv(mtp: MTP, policy, layer: int, cache: KVCache, hid_BxTxD, tokens_BxT) -> KVCache:
+    """`extend`'s cache update alone (no outputs): what a prefill, or a catch-up's layers past
+    the first, need (an entry's key and value depend only on its own token and hidden)."""
+    i = layer % mtp.num_layers
+    positions = cache.positions(tokens_BxT.shape[1])
+    emb = policy.embed_tokens(tokens_BxT)
+    kv = (cache.k[i], cache.v[i])
+    k, v = mtp.layer(i).write_kv(emb, hid_BxTxD, positions, kv, cache.lengths)
+    return _swap_layer(cache, i, k, v)
+
+
+def _swap_layer(cache: KVCache, i: int, k, v) -> KVCache:
     swap = lambda layers, new: layers[:i] + (new,) + layers[i + 1 :]  # noqa: E731
-    return out, normed, cache.replace(k=swap(cache.k, k), v=swap(cache.v, v))
+    return cache.replace(k=swap(cache.k, k), v=swap(cache.v, v))
 
 
 def logits(policy, normed_BxTxD, head_DxVd=None) -> jax.Array:

@@ -54,7 +54,7 @@ def regamma(m: speculative.Models, s: speculative.State, width: int) -> speculat
         cache, done_B = carry
         hid_BxCxD, tok_BxC = window(done_B, chunk)
         for j in range(m.mtp.num_layers):
-            _, _, cache = mtp_lib.extend(m.mtp, m.policy, j, cache, hid_BxCxD, tok_BxC)
+            cache = mtp_lib.write_kv(m.mtp, m.policy, j, cache, hid_BxCxD, tok_BxC)
         step_B = jnp.minimum(todo_B - done_B, chunk)
         return cache.advance(step_B), done_B + step_B
 

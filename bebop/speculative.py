@@ -275,9 +275,7 @@ def init_state(m: Models, pol_gd, pol_params, prompt_BxP, prompt_lens_B, row_key
     # a γ = 0 bucket) rewrites it before anything attends to it.
     mtp_cache = mtp_lib.new_cache(policy.cfg, m.mtp.num_layers, rows // g, m.max_len + m.mtp_slack)
     for j in range(m.mtp.num_layers):
-        _, _, mtp_cache = mtp_lib.extend(
-            m.mtp, policy, j, mtp_cache, hid_BxPxD[::g], next_tok_BxP[::g]
-        )
+        mtp_cache = mtp_lib.write_kv(m.mtp, policy, j, mtp_cache, hid_BxPxD[::g], next_tok_BxP[::g])
     if g > 1:
         mtp_cache = jax.tree.map(lambda x: jnp.repeat(x, g, axis=0), mtp_cache)
     mtp_cache = mtp_cache.advance(prompt_lens_B - 1)
@@ -325,18 +323,19 @@ def init_state(m: Models, pol_gd, pol_params, prompt_BxP, prompt_lens_B, row_key
 
 def _catch_up(m: Models, s: State):
     """Every MTP layer consumes the catch-up buffer (so each keeps its cache complete); layer 0's
-    output at the row's last consumed position starts the chain. Returns (hidden `[B, 1, D]`,
-    draft-1 logits `[B, Vd]`, MTP cache)."""
-    mtp_cache = s.mtp_cache
+    output at the row's last consumed position starts the chain. Only that position goes through
+    attention, the MLP and the head; the others (and every position of later layers) only write
+    their keys and values, which depend on nothing else. Returns (hidden `[B, 1, D]`, draft-1
+    logits `[B, Vd]`, MTP cache)."""
     last_B = jnp.maximum(s.n_catch_B - 1, 0)
-    for j in range(m.mtp.num_layers):
-        out_BxWxD, normed_BxWxD, mtp_cache = mtp_lib.extend(
+    hid_Bx1xD, normed_Bx1xD, mtp_cache = mtp_lib.extend(
+        m.mtp, m.policy, 0, s.mtp_cache, s.catch_hid_BxWxD, s.catch_tok_BxW, at_B=last_B
+    )
+    logits_BxVd = mtp_lib.logits(m.policy, normed_Bx1xD, m.head_DxVd)[:, 0]
+    for j in range(1, m.mtp.num_layers):
+        mtp_cache = mtp_lib.write_kv(
             m.mtp, m.policy, j, mtp_cache, s.catch_hid_BxWxD, s.catch_tok_BxW
         )
-        if j == 0:  # only the last position drafts: one head projection
-            hid_Bx1xD = _take(out_BxWxD, last_B)[:, None]
-            normed_Bx1xD = _take(normed_BxWxD, last_B)[:, None]
-            logits_BxVd = mtp_lib.logits(m.policy, normed_Bx1xD, m.head_DxVd)[:, 0]
     return hid_Bx1xD, logits_BxVd, mtp_cache.advance(s.n_catch_B)
 
 

@@ -286,3 +286,46 @@ def test_train_time_step_one_matches_decode_time_drafting(tiny_cfg):
     next_tokens = jnp.pad(tokens[:, 1:], ((0, 0), (0, 1)))
     _, normed, _ = mtp_lib.extend(mtp, policy, 0, cache, hidden[:, :9], next_tokens[:, :9])
     np.testing.assert_allclose(mtp_lib.logits(policy, normed), want_logits[:, :9], atol=1e-5)
+
+
+@pytest.mark.parametrize("fused", [False, True], ids=["train_layout", "decode_layout"])
+def test_catch_up_outputs_at_one_position_and_key_value_writes_equal_the_full_extend(
+    tiny_cfg, fused
+):
+    """`extend(at_B=)` (outputs of one position per row) and `write_kv` (no outputs) against the
+    full extend over the same 4 positions of a half-filled cache: outputs at `at_B` and every
+    key/value slot equal to 1e-5, slots outside the write untouched. Random weights (init_std
+    0.3: a non-trivial hidden half), qk-norm and rope on, rows at different offsets."""
+    cfg = dataclasses.replace(tiny_cfg, init_std=0.3, qk_norm=True)
+    pol_gd, pol_params = model.init(cfg, 0)
+    mtp_gd, mtp_params = mtp_lib.init(cfg, 1, seed=3)
+    policy = nnx.merge(pol_gd, pol_params)
+    mtp = nnx.merge(mtp_gd, mtp_params)
+    mtp = mtp_lib.for_decode(mtp) if fused else mtp
+    b, t, d = 3, 4, cfg.dim
+    keys = jax.random.split(jax.random.key(1), 3)
+    cache = mtp_lib.new_cache(cfg, 1, b, 16)
+    pre_hid = jax.random.normal(keys[0], (b, 6, d))
+    pre_tok = jax.random.randint(keys[1], (b, 6), 0, cfg.vocab_size)
+    _, _, cache = mtp_lib.extend(mtp, policy, 0, cache, pre_hid, pre_tok)
+    cache = cache.advance(jnp.array([6, 2, 4]))  # rows at different offsets
+    hid = jax.random.normal(keys[2], (b, t, d))
+    tok = jnp.roll(pre_tok[:, :t], 1, axis=1)
+    out, normed, full = mtp_lib.extend(mtp, policy, 0, cache, hid, tok)
+    at_B = jnp.array([3, 0, 2])
+    out1, normed1, part = mtp_lib.extend(mtp, policy, 0, cache, hid, tok, at_B=at_B)
+    kv_only = mtp_lib.write_kv(mtp, policy, 0, cache, hid, tok)
+    rows = jnp.arange(b)
+    assert out1.shape == normed1.shape == (b, 1, d)
+    np.testing.assert_allclose(out1[:, 0], out[rows, at_B], atol=1e-5)
+    np.testing.assert_allclose(normed1[:, 0], normed[rows, at_B], atol=1e-5)
+    for got in (part, kv_only):
+        for side in ("k", "v"):
+            np.testing.assert_allclose(getattr(got, side)[0], getattr(full, side)[0], atol=1e-5)
+        np.testing.assert_array_equal(got.lengths, cache.lengths)
+    # the write covered exactly the 4 new slots of each row: the rest is the old cache
+    old_k, new_k = np.asarray(cache.k[0]), np.asarray(kv_only.k[0])
+    for r, start in enumerate([6, 2, 4]):
+        changed = np.any(old_k[r] != new_k[r], axis=(0, 2))
+        assert set(np.flatnonzero(changed)) <= set(range(start, start + t))
+        assert changed[start : start + t].all()
