@@ -339,8 +339,8 @@ def main():
     todo = [loss for loss in losses if loss not in kept]
     if kept:
         print(f"arms kept in {HERE / 'arms'} (same config): {sorted(kept)}", flush=True)
-    dirs = train_arms(spec, root, base, todo, args.override)
-    for loss, wd in dirs.items():
+    for loss in todo:  # each arm evaluated and kept as soon as it is trained
+        wd = train_arms(spec, root, base, [loss], args.override)[loss]
         cache = (root / loss) / "heldout.json"
         steps_run = json.loads((wd / "mtp" / "summary.json").read_text())["steps_run"]
         saved = json.loads(cache.read_text()) if cache.exists() else {}
