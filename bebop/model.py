@@ -132,8 +132,8 @@ class Attention(nnx.Module):
         """Without `kv`: causal attention over the T tokens (by position). With `kv` (this layer's
         `(k, v)` cache `[B, K, S, Dh]`): writes the T new entries at `offsets_B` and attends to
         every cache slot at or before each query's position (and, if given, marked in
-        `valid_BxS`). With `at_B` (and `kv`), only the query at index `at_B[b]` of row b attends
-        (out `[B, 1, D]`); every key and value is still written. Returns (out, new kv or None)."""
+        `valid_BxS`). With `at_B`, only the query at index `at_B[b]` of row b attends (out
+        `[B, 1, D]`); every key and value is still written. Returns (out, new kv or None)."""
         cfg = self.cfg
         cdt = DTYPES[cfg.dtype]
         q, k_BxKxTxDh, v_BxKxTxDh = self._qkv(x_BxTxD, positions_BxT)
@@ -147,8 +147,8 @@ class Attention(nnx.Module):
                 jnp.arange(keys.shape[2]), (keys.shape[0], keys.shape[2])
             )
             new_kv = (keys, values)
-            if at_B is not None:
-                q, positions_BxT = take_at(q, at_B), take_at(positions_BxT, at_B)
+        if at_B is not None:  # one query per row, against every key written above
+            q, positions_BxT = take_at(q, at_B), take_at(positions_BxT, at_B)
         mask_BxTxS = key_pos_BxS[:, None, :] <= positions_BxT[:, :, None]
         if valid_BxS is not None:
             mask_BxTxS = mask_BxTxS & valid_BxS[:, None, :]
@@ -177,8 +177,11 @@ class Attention(nnx.Module):
                 k = k + compute_weight(self.bk, cdt)
                 v = v + compute_weight(self.bv, cdt)
         if cfg.qk_norm:
-            q, k = None if q is None else self.q_norm(q), self.k_norm(k)
-        q = None if q is None else rope(q, positions_BxT, cfg.rope_theta)
+            k = self.k_norm(k)
+            if q is not None:
+                q = self.q_norm(q)
+        if q is not None:
+            q = rope(q, positions_BxT, cfg.rope_theta)
         k_BxKxTxDh = rope(k, positions_BxT, cfg.rope_theta).transpose(0, 2, 1, 3)
         return q, k_BxKxTxDh, v.transpose(0, 2, 1, 3)
 
@@ -186,9 +189,9 @@ class Attention(nnx.Module):
         """Only the cache update of `__call__` with `kv`: the T new keys and values written at
         `offsets_B`, nothing attended (and no query projected). Returns the new kv."""
         _, k_BxKxTxDh, v_BxKxTxDh = self._qkv(x_BxTxD, positions_BxT, with_q=False)
-        return kvcache.write(kv[0], k_BxKxTxDh, offsets_B), kvcache.write(
-            kv[1], v_BxKxTxDh, offsets_B
-        )
+        keys = kvcache.write(kv[0], k_BxKxTxDh, offsets_B)
+        values = kvcache.write(kv[1], v_BxKxTxDh, offsets_B)
+        return keys, values
 
     def fuse(self):
         """In place: the decode layout, q, k and v projected by one `[D, (H + 2K) Dh]` matrix
@@ -258,11 +261,11 @@ class Block(nnx.Module):
         self.mlp = MLP(cfg, rngs)
 
     def __call__(self, x_BxTxD, positions_BxT, kv=None, offsets_B=None, valid_BxS=None, at_B=None):
-        """With `at_B` (and `kv`): every position's key and value are written, but only position
-        `at_B[b]` of row b goes on through attention and the MLP (out `[B, 1, D]`)."""
+        """With `at_B`: every position's key and value are computed (and written to `kv`), but
+        only position `at_B[b]` of row b goes on through attention and the MLP (out `[B, 1, D]`)."""
         xn_BxTxD = self.attn_norm(x_BxTxD)
         h, new_kv = self.attn(xn_BxTxD, positions_BxT, kv, offsets_B, valid_BxS, at_B)
-        if at_B is not None and kv is not None:
+        if at_B is not None:
             x_BxTxD = take_at(x_BxTxD, at_B)
         x_BxTxD = x_BxTxD + h
         return x_BxTxD + self.mlp(self.mlp_norm(x_BxTxD)), new_kv

@@ -17,7 +17,9 @@ Decode time (`extend`), chain style: each MTP layer keeps a KV cache indexed by 
 entry p holds (backbone hidden at p, token p+1) for accepted positions. Drafting from anchor a
 (the last position the backbone has processed): step 1 is the entry at a itself, step k >= 2 sits
 at position a+k-1 with the previous step's output as its hidden. Drafted entries are rolled back
-after verification and rewritten from backbone hiddens by the next catch-up.
+after verification and rewritten from backbone hiddens by the next catch-up, which needs the
+outputs of one position only (`extend(at_B=)`); where no output is read (a prefill, layers past
+the first in a catch-up) `write_kv` writes the entries alone.
 """
 
 from __future__ import annotations
@@ -192,8 +194,8 @@ def extend(
     positions = cache.positions(tokens_BxT.shape[1])
     emb = policy.embed_tokens(tokens_BxT)
     kv = (cache.k[i], cache.v[i])
-    lay = mtp.layer(i)
-    out, normed, (k, v) = lay(emb, hid_BxTxD, positions, kv, cache.lengths, valid_BxS, at_B)
+    mtp_layer = mtp.layer(i)
+    out, normed, (k, v) = mtp_layer(emb, hid_BxTxD, positions, kv, cache.lengths, valid_BxS, at_B)
     return out, normed, _swap_layer(cache, i, k, v)
 
 

@@ -24,7 +24,7 @@ from bebop.mtp_train import (
 )
 from bebop.train import TrainState, make_optimizer, make_train_step
 
-from .helpers import random_policy
+from .helpers import perturb, random_policy
 
 
 @pytest.fixture
@@ -293,39 +293,43 @@ def test_catch_up_outputs_at_one_position_and_key_value_writes_equal_the_full_ex
     tiny_cfg, fused
 ):
     """`extend(at_B=)` (outputs of one position per row) and `write_kv` (no outputs) against the
-    full extend over the same 4 positions of a half-filled cache: outputs at `at_B` and every
-    key/value slot equal to 1e-5, slots outside the write untouched. Random weights (init_std
-    0.3: a non-trivial hidden half), qk-norm and rope on, rows at different offsets."""
-    cfg = dataclasses.replace(tiny_cfg, init_std=0.3, qk_norm=True)
+    full extend over the same 4 positions of a half-filled cache, for both layers of a 2-layer
+    MTP: outputs at `at_B` and every key/value slot equal to 1e-5, slots outside the write
+    untouched. Every MTP weight random (biases and norm scales too: a wrong bias slice or a
+    swapped norm would show), qkv bias, qk-norm and rope on, rows at different offsets."""
+    cfg = dataclasses.replace(tiny_cfg, init_std=0.3, qk_norm=True, qkv_bias=True)
     pol_gd, pol_params = model.init(cfg, 0)
-    mtp_gd, mtp_params = mtp_lib.init(cfg, 1, seed=3)
+    mtp_gd, mtp_params = mtp_lib.init(cfg, 2, seed=3)
     policy = nnx.merge(pol_gd, pol_params)
-    mtp = nnx.merge(mtp_gd, mtp_params)
+    mtp = nnx.merge(mtp_gd, perturb(mtp_params, 4, 0.3))
     mtp = mtp_lib.for_decode(mtp) if fused else mtp
     b, t, d = 3, 4, cfg.dim
     keys = jax.random.split(jax.random.key(1), 3)
-    cache = mtp_lib.new_cache(cfg, 1, b, 16)
+    cache = mtp_lib.new_cache(cfg, 2, b, 16)
     pre_hid = jax.random.normal(keys[0], (b, 6, d))
     pre_tok = jax.random.randint(keys[1], (b, 6), 0, cfg.vocab_size)
-    _, _, cache = mtp_lib.extend(mtp, policy, 0, cache, pre_hid, pre_tok)
+    for j in range(2):
+        _, _, cache = mtp_lib.extend(mtp, policy, j, cache, pre_hid, pre_tok)
     cache = cache.advance(jnp.array([6, 2, 4]))  # rows at different offsets
     hid = jax.random.normal(keys[2], (b, t, d))
     tok = jnp.roll(pre_tok[:, :t], 1, axis=1)
-    out, normed, full = mtp_lib.extend(mtp, policy, 0, cache, hid, tok)
-    at_B = jnp.array([3, 0, 2])
-    out1, normed1, part = mtp_lib.extend(mtp, policy, 0, cache, hid, tok, at_B=at_B)
-    kv_only = mtp_lib.write_kv(mtp, policy, 0, cache, hid, tok)
-    rows = jnp.arange(b)
-    assert out1.shape == normed1.shape == (b, 1, d)
-    np.testing.assert_allclose(out1[:, 0], out[rows, at_B], atol=1e-5)
-    np.testing.assert_allclose(normed1[:, 0], normed[rows, at_B], atol=1e-5)
-    for got in (part, kv_only):
-        for side in ("k", "v"):
-            np.testing.assert_allclose(getattr(got, side)[0], getattr(full, side)[0], atol=1e-5)
-        np.testing.assert_array_equal(got.lengths, cache.lengths)
-    # the write covered exactly the 4 new slots of each row: the rest is the old cache
-    old_k, new_k = np.asarray(cache.k[0]), np.asarray(kv_only.k[0])
-    for r, start in enumerate([6, 2, 4]):
-        changed = np.any(old_k[r] != new_k[r], axis=(0, 2))
-        assert set(np.flatnonzero(changed)) <= set(range(start, start + t))
-        assert changed[start : start + t].all()
+    at_B, rows = jnp.array([3, 0, 2]), jnp.arange(b)
+    for j in range(2):
+        out, normed, full = mtp_lib.extend(mtp, policy, j, cache, hid, tok)
+        out1, normed1, part = mtp_lib.extend(mtp, policy, j, cache, hid, tok, at_B=at_B)
+        kv_only = mtp_lib.write_kv(mtp, policy, j, cache, hid, tok)
+        assert out1.shape == normed1.shape == (b, 1, d)
+        np.testing.assert_allclose(out1[:, 0], out[rows, at_B], atol=1e-5)
+        np.testing.assert_allclose(normed1[:, 0], normed[rows, at_B], atol=1e-5)
+        for got in (part, kv_only):
+            for side in ("k", "v"):
+                for i in range(2):  # layer j written, the other layer untouched
+                    want = getattr(full if i == j else cache, side)[i]
+                    np.testing.assert_allclose(getattr(got, side)[i], want, atol=1e-5)
+            np.testing.assert_array_equal(got.lengths, cache.lengths)
+        # the write covered exactly the 4 new slots of each row: the rest is the old cache
+        old_k, new_k = np.asarray(cache.k[j]), np.asarray(kv_only.k[j])
+        for r, start in enumerate([6, 2, 4]):
+            changed = np.any(old_k[r] != new_k[r], axis=(0, 2))
+            assert set(np.flatnonzero(changed)) <= set(range(start, start + t))
+            assert changed[start : start + t].all()

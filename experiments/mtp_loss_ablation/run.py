@@ -36,12 +36,16 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import sys
 import time
 from pathlib import Path
 
 import numpy as np
 
+# This process evaluates each arm (JAX) before the next arm's training launch starts: on a GPU it
+# must not hold three quarters of the memory that launch needs.
+os.environ.setdefault("XLA_PYTHON_CLIENT_PREALLOCATE", "false")
 REPO = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(REPO))
 
