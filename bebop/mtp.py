@@ -190,10 +190,7 @@ def extend(
     when n > 1 layers leave gaps in a chain). With `at_B`, the outputs are only those of index
     `at_B[b]` of each row (`[B, 1, D]`): the other positions only write their keys and values
     (a catch-up drafts from its last position alone)."""
-    i = layer % mtp.num_layers
-    positions = cache.positions(tokens_BxT.shape[1])
-    emb = policy.embed_tokens(tokens_BxT)
-    kv = (cache.k[i], cache.v[i])
+    i, emb, positions, kv = _layer_inputs(mtp, policy, layer, cache, tokens_BxT)
     mtp_layer = mtp.layer(i)
     out, normed, (k, v) = mtp_layer(emb, hid_BxTxD, positions, kv, cache.lengths, valid_BxS, at_B)
     return out, normed, _swap_layer(cache, i, k, v)
@@ -202,12 +199,16 @@ def extend(
 def write_kv(mtp: MTP, policy, layer: int, cache: KVCache, hid_BxTxD, tokens_BxT) -> KVCache:
     """`extend`'s cache update alone (no outputs): what a prefill, or a catch-up's layers past
     the first, need (an entry's key and value depend only on its own token and hidden)."""
-    i = layer % mtp.num_layers
-    positions = cache.positions(tokens_BxT.shape[1])
-    emb = policy.embed_tokens(tokens_BxT)
-    kv = (cache.k[i], cache.v[i])
+    i, emb, positions, kv = _layer_inputs(mtp, policy, layer, cache, tokens_BxT)
     k, v = mtp.layer(i).write_kv(emb, hid_BxTxD, positions, kv, cache.lengths)
     return _swap_layer(cache, i, k, v)
+
+
+def _layer_inputs(mtp: MTP, policy, layer: int, cache: KVCache, tokens_BxT):
+    """(layer index, token embeddings, positions at the cache's lengths, that layer's kv)."""
+    i = layer % mtp.num_layers
+    positions = cache.positions(tokens_BxT.shape[1])
+    return i, policy.embed_tokens(tokens_BxT), positions, (cache.k[i], cache.v[i])
 
 
 def _swap_layer(cache: KVCache, i: int, k, v) -> KVCache:

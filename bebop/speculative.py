@@ -177,7 +177,7 @@ def _write_rows(buf_BxM, new_BxW, offsets_B):
 
 
 def _take(x_BxT, idx_B):
-    return jnp.take_along_axis(x_BxT, idx_B.reshape((-1,) + (1,) * (x_BxT.ndim - 1)), axis=1)[:, 0]
+    return model.take_at(x_BxT, idx_B)[:, 0]
 
 
 def _fold(keys_B, data: int):
