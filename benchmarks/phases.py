@@ -140,6 +140,7 @@ def main():
     ap.add_argument("--runs", type=int, default=5, help="traced (and timed) calls")
     ap.add_argument("--prompts", choices=["task", "mixed"], default="task")
     ap.add_argument("--top", type=int, default=8, help="costliest ops listed")
+    ap.add_argument("--phase", default="", help="list the costliest ops of this phase only")
     args = ap.parse_args()
     args.num_prompts = args.batch  # one prompt a row (`rollout.load_models` reads it)
 
@@ -188,8 +189,9 @@ def main():
     )
     for phase, ms in time_by.most_common():
         print(f"  {phase:24s} {ms:8.3f} ms {ms / traced:6.1%} {count_by[phase]:7.1f} ops")
-    print("  costliest ops:", flush=True)
-    for (name, phase, fn), ms in op_time.most_common(args.top):
+    print(f"  costliest ops{' of ' + args.phase if args.phase else ''}:", flush=True)
+    listed = [(k, ms) for k, ms in op_time.most_common() if args.phase in ("", k[1])]
+    for (name, phase, fn), ms in listed[: args.top]:
         print(f"    {name:28s} {ms:8.3f} ms  {phase} / {fn}")
     res = {
         "model": args.model,
