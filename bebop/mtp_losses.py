@@ -7,6 +7,10 @@ head `head_DxV`, the data tokens and a mask of positions whose token is supervis
 never materialised for all positions and steps at once: a `lax.scan` over vocabulary chunks keeps
 an online max / exp-sum (pass 1), then accumulates the overlap Σ min(p, q), S = Σ q·1[q ≤ p] and
 the KL terms (pass 2). Autodiffed passes are rematerialised per chunk; TV has an analytic VJP.
+A vocabulary that fits one chunk (a draft vocabulary, a small model's) is not rematerialised: CE
+and the KL losses compute each side's logits once and keep them for the backward pass (the TV
+losses' scan of one chunk already compiles to that). Draft vocabulary of 8,192 at SmolLM2's
+pre-RL MTP shapes (3,840 positions), loss + gradient: KL 1.58 -> 0.95 s, CE 0.73 -> 0.53 s.
 
   ce          -log q_k(x_{t+k+1})                                        (hard labels)
   kl          KL(p‖q) = Σ p (log p − log q)                              gradient q − p
@@ -59,6 +63,8 @@ def _logits(h_NxD, w_DxC, valid_C, temperature):
 
 def _lse(h_NxD, w_chunks, valid, temperature):
     """Pass 1: log-sum-exp over the vocabulary with an online max."""
+    if w_chunks.shape[0] == 1:  # one chunk: no scan, no rematerialisation
+        return jax.nn.logsumexp(_logits(h_NxD, w_chunks[0], valid[0], temperature), axis=-1)
 
     @jax.checkpoint
     def body(carry, xs):
@@ -72,22 +78,27 @@ def _lse(h_NxD, w_chunks, valid, temperature):
     return m + jnp.log(s)
 
 
+def _sums(zq, zp, lse_q, lse_p):
+    """One chunk's α, S, Σ p(zp − zq), Σ q(zq − zp) and Σ p per position."""
+    q, p = jnp.exp(zq - lse_q[:, None]), jnp.exp(zp - lse_p[:, None])
+    return (
+        jnp.minimum(p, q).sum(-1),
+        jnp.where(q <= p, q, 0.0).sum(-1),
+        (p * (zp - zq)).sum(-1),
+        (q * (zq - zp)).sum(-1),
+        p.sum(-1),
+    )
+
+
 def _pass2(hq, hp, w_chunks, valid, lse_q, lse_p, temperature):
     """Pass 2: overlap α, S, Σ p(zp − zq), Σ q(zq − zp), Σ p (1 unless a draft vocabulary)."""
 
+    def sums(xs):
+        return _sums(_logits(hq, *xs, temperature), _logits(hp, *xs, temperature), lse_q, lse_p)
+
     @jax.checkpoint
     def body(carry, xs):
-        zq = _logits(hq, *xs, temperature)
-        zp = _logits(hp, *xs, temperature)
-        q, p = jnp.exp(zq - lse_q[:, None]), jnp.exp(zp - lse_p[:, None])
-        a, s, kpq, kqp, mass = carry
-        return (
-            a + jnp.minimum(p, q).sum(-1),
-            s + jnp.where(q <= p, q, 0.0).sum(-1),
-            kpq + (p * (zp - zq)).sum(-1),
-            kqp + (q * (zq - zp)).sum(-1),
-            mass + p.sum(-1),
-        ), None
+        return tuple(c + x for c, x in zip(carry, sums(xs), strict=True)), None
 
     zero = jnp.zeros((hq.shape[0],))
     return jax.lax.scan(body, (zero,) * 5, (w_chunks, valid))[0]
@@ -195,9 +206,17 @@ def ce_loss(
 def _kl_terms(draft, target, head, tokens, mask, chunk, temperature, target_lse):
     hq, hp, _, valid, lse_p = _prepare(draft, target, tokens, mask, target_lse)
     w_chunks, v = _chunks(jax.lax.stop_gradient(head), chunk)
-    lse_q = _lse(hq, w_chunks, v, temperature)
-    lse_p = _target_lse(hp, lse_p, w_chunks, v, temperature)
-    a, _, kpq, kqp, mass = _pass2(hq, hp, w_chunks, v, lse_q, lse_p, temperature)
+    if w_chunks.shape[0] == 1:  # one product per side, shared by the normaliser and the sums
+        zq, zp = (_logits(h, w_chunks[0], v[0], temperature) for h in (hq, hp))
+        lse_q = jax.nn.logsumexp(zq, axis=-1)
+        if lse_p is None:
+            lse_p = jax.nn.logsumexp(zp, axis=-1)
+        lse_p = jax.lax.stop_gradient(lse_p)
+        a, _, kpq, kqp, mass = _sums(zq, zp, lse_q, lse_p)
+    else:
+        lse_q = _lse(hq, w_chunks, v, temperature)
+        lse_p = _target_lse(hp, lse_p, w_chunks, v, temperature)
+        a, _, kpq, kqp, mass = _pass2(hq, hp, w_chunks, v, lse_q, lse_p, temperature)
     # p's mass on the head's vocabulary: 1, or P < 1 for a draft vocabulary, where these are
     # P·KL(p/P ‖ q) and KL(q ‖ p/P) (same minimiser q = p/P, still >= 0).
     log_mass = jnp.log(jnp.maximum(jax.lax.stop_gradient(mass), 1e-30))

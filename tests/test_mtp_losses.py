@@ -138,10 +138,12 @@ def test_tv_of_identical_distributions_is_zero():
     np.testing.assert_allclose(metrics["alpha_1"], 1.0, atol=1e-6)
 
 
+@pytest.mark.parametrize("chunk", [8, 64])  # 5 chunks; the whole vocabulary in one (no scan)
 @pytest.mark.parametrize("name", list(L.MTP_LOSSES))
-def test_gradients_equal_autodiff_of_naive_reference(name):
+def test_gradients_equal_autodiff_of_naive_reference(name, chunk):
     draft, target, head, tokens, mask = _inputs(seed=1)
-    got = jax.grad(lambda d: L.MTP_LOSSES[name](d, target, head, tokens, mask, chunk=8)[0])(draft)
+    loss = lambda d: L.MTP_LOSSES[name](d, target, head, tokens, mask, chunk=chunk)[0]  # noqa: E731
+    got = jax.grad(loss)(draft)
     want = jax.grad(lambda d: naive(name, d, target, head, tokens, mask))(draft)
     np.testing.assert_allclose(got, want, atol=1e-5)
     assert float(jnp.abs(got).max()) > 1e-4  # not trivially zero
@@ -190,13 +192,14 @@ def naive_subset(name, draft, target, head, tokens, mask, temperature=1.0):
     return _mean(-jnp.log(jnp.where(valid[0], terms, 1.0)), valid[0])
 
 
+@pytest.mark.parametrize("chunk", [4, 16])  # the draft vocabulary in 3 chunks; in one
 @pytest.mark.parametrize("name", list(L.MTP_LOSSES))
-def test_draft_vocabulary_losses_and_gradients_equal_a_naive_reference(name):
+def test_draft_vocabulary_losses_and_gradients_equal_a_naive_reference(name, chunk):
     """q on 10 of 37 tokens, p the policy's full distribution: values and gradients (≤ 1e-5)."""
     draft, target, head, tokens, mask = _inputs(seed=4)
 
     def got(d):
-        return L.draft_loss(name, d, target, head, tokens, mask, vocab=SUB, chunk=4)[0]
+        return L.draft_loss(name, d, target, head, tokens, mask, vocab=SUB, chunk=chunk)[0]
 
     np.testing.assert_allclose(
         got(draft), naive_subset(name, draft, target, head, tokens, mask), atol=1e-5, rtol=1e-5
