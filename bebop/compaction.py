@@ -122,34 +122,50 @@ def choose_num_draft(
     t_verify: Mapping[int, float],
     t_draft: float,
     max_draft: int,
+    current: int | None = None,
+    margin: float = 0.0,
 ) -> int:
     """The γ in 0..`max_draft` with the most expected tokens per second at one batch size: γ = 0
     is plain decoding, 1 token per `t_step`; γ >= 1 gives `expected_tokens(alpha, γ)` per cycle of
     `t_verify[γ + 1] + γ * t_draft` (one policy forward over γ+1 tokens, the MTP's catch-up and
-    γ-1 chain steps). Ties go to the smaller γ.
+    γ-1 chain steps). Ties go to the smaller γ. With `current` (the γ in use), that γ stays
+    unless the best one is more than `margin` faster (a fraction): near a tie, a drifting
+    acceptance would otherwise flip the choice back and forth.
 
     Costs: the seconds per iteration `spec_compacted.loop_costs` measures at that batch size
     (`verify_{W}`, `draft`; `t_step` may be `verify_1`); `alpha`: the running acceptance per
     draft position (`RunningAcceptance`), or one rate for all positions (the geometric model,
     which ignores that acceptance falls with the position and so errs towards larger γ)."""
-    best, best_rate = 0, 1.0 / t_step
+    rates = [1.0 / t_step] + [
+        expected_tokens(alpha, g) / (t_verify[g + 1] + g * t_draft) for g in range(1, max_draft + 1)
+    ]
+    best = 0
     for g in range(1, max_draft + 1):
-        rate = expected_tokens(alpha, g) / (t_verify[g + 1] + g * t_draft)
-        if rate > best_rate * (1 + 1e-9):
-            best, best_rate = g, rate
+        if rates[g] > rates[best] * (1 + 1e-9):
+            best = g
+    if current is not None and current <= max_draft:
+        if rates[best] <= rates[current] * (1 + margin):
+            return current
     return best
 
 
 def draft_table(
-    alpha: float | Sequence[float], costs: Mapping[int, dict], max_draft: int
+    alpha: float | Sequence[float],
+    costs: Mapping[int, dict],
+    max_draft: int,
+    current: Sequence[tuple[int, int]] = (),
+    margin: float = 0.0,
 ) -> tuple[tuple[int, int], ...]:
     """A `rollout.draft_table` from measured costs: `costs[b]` holds `step`, `draft` and
     `verify_{W}` seconds at batch size b (W = 2 .. max_draft + 1); each b gets
-    `choose_num_draft`."""
+    `choose_num_draft`, keeping its γ in the `current` table unless another is more than
+    `margin` faster."""
+    now = dict(current)
     table = []
     for b, c in sorted(costs.items()):
         verify = {w: c[f"verify_{w}"] for w in range(2, max_draft + 2)}
-        table.append((b, choose_num_draft(alpha, c["step"], verify, c["draft"], max_draft)))
+        g = choose_num_draft(alpha, c["step"], verify, c["draft"], max_draft, now.get(b), margin)
+        table.append((b, g))
     return tuple(table)
 
 

@@ -31,6 +31,10 @@ from bebop.rl import grpo, loop, records, rewards
 
 # Rollouts whose per-position acceptance the default draft table averages (`Rollouts`).
 DRAFT_WINDOW = 4
+# A bucket of the derived draft table changes its γ only for a modelled gain above this. Without
+# it the demo's RL run with compaction (stop 33) flipped its 64-row bucket between γ = 0 and 1
+# 16 times in 120 steps, a tie redrawn by the drifting acceptance (a new program per new table).
+DRAFT_MARGIN = 0.05
 
 
 def sampling_config(cfg: RunConfig, tok, max_new_tokens: int | None = None):
@@ -95,7 +99,8 @@ class Rollouts:
     empty): the first rollout drafts `rollout.num_draft` at every bucket size; after each
     rollout, each bucket size b gets the γ in 0 .. `num_draft` with the most expected tokens per
     second (`compaction.draft_table`): E_γ = 1 + Σ_{j<=γ} Π_{i<=j} α_i tokens per cycle of
-    t_verify(b, γ+1) + γ t_draft(b) seconds, against 1 token per t_verify(b, 1) for γ = 0. α_i
+    t_verify(b, γ+1) + γ t_draft(b) seconds, against 1 token per t_verify(b, 1) for γ = 0; a
+    bucket keeps its γ unless another is more than `DRAFT_MARGIN` faster. α_i
     is the acceptance of draft position i over the last `DRAFT_WINDOW` rollouts (accepted /
     attempted, all rows pooled: `compaction.RunningAcceptance`); the costs are `draft_costs`
     (`spec_compacted.bucket_costs`' layout), or measured once, after the first rollout, at its
@@ -231,7 +236,9 @@ class Rollouts:
         rates = self.acceptance.rates()
         if rates is None:
             return {}
-        table = compaction.draft_table(rates, self.draft_costs, self.cfg.rollout.num_draft)
+        table = compaction.draft_table(
+            rates, self.draft_costs, self.cfg.rollout.num_draft, self.table, DRAFT_MARGIN
+        )
         if table == self.table:
             return {}
         self.table = table
