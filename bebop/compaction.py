@@ -143,7 +143,7 @@ def choose_num_draft(
     for g in range(1, max_draft + 1):
         if rates[g] > rates[best] * (1 + 1e-9):
             best = g
-    if current is not None and current <= max_draft:
+    if current is not None and 0 <= current <= max_draft:
         if rates[best] <= rates[current] * (1 + margin):
             return current
     return best

@@ -35,6 +35,11 @@ DRAFT_WINDOW = 4
 # it the demo's RL run with compaction (stop 33) flipped its 64-row bucket between γ = 0 and 1
 # 16 times in 120 steps, a tie redrawn by the drifting acceptance (a new program per new table).
 DRAFT_MARGIN = 0.05
+# A derived table that drafts at no bucket gets no new acceptance counts, so it could never draft
+# again, even as an MTP trained during RL (online, joint, growmtp) improves: after this many such
+# rollouts, one rollout drafts `rollout.num_draft` at every bucket (a probe), and the table is
+# derived again from what it measured.
+DRAFT_PROBE_EVERY = 16
 
 
 def sampling_config(cfg: RunConfig, tok, max_new_tokens: int | None = None):
@@ -100,7 +105,8 @@ class Rollouts:
     rollout, each bucket size b gets the γ in 0 .. `num_draft` with the most expected tokens per
     second (`compaction.draft_table`): E_γ = 1 + Σ_{j<=γ} Π_{i<=j} α_i tokens per cycle of
     t_verify(b, γ+1) + γ t_draft(b) seconds, against 1 token per t_verify(b, 1) for γ = 0; a
-    bucket keeps its γ unless another is more than `DRAFT_MARGIN` faster. α_i
+    bucket keeps its γ unless another is more than `DRAFT_MARGIN` faster, and a table drafting
+    nowhere is probed at `num_draft` every `DRAFT_PROBE_EVERY` rollouts. α_i
     is the acceptance of draft position i over the last `DRAFT_WINDOW` rollouts (accepted /
     attempted, all rows pooled: `compaction.RunningAcceptance`); the costs are `draft_costs`
     (`spec_compacted.bucket_costs`' layout), or measured once, after the first rollout, at its
@@ -168,6 +174,7 @@ class Rollouts:
                     "processes, give the table explicitly (the derived one is timed per process)"
                 )
             self.acceptance = compaction.RunningAcceptance(r.num_draft, DRAFT_WINDOW)
+            self.rollouts_without_drafts = 0
 
     def prompts(self, i: int, rows=None):
         """(problems, prompt ids) of `rows` (default: all) of batch i: row r is a sample of
@@ -236,9 +243,14 @@ class Rollouts:
         rates = self.acceptance.rates()
         if rates is None:
             return {}
-        table = compaction.draft_table(
-            rates, self.draft_costs, self.cfg.rollout.num_draft, self.table, DRAFT_MARGIN
+        num_draft = self.cfg.rollout.num_draft
+        table = compaction.draft_table(rates, self.draft_costs, num_draft, self.table, DRAFT_MARGIN)
+        self.rollouts_without_drafts = (
+            0 if any(g for _, g in table) else (self.rollouts_without_drafts + 1)
         )
+        if self.rollouts_without_drafts > DRAFT_PROBE_EVERY:
+            table = tuple((b, num_draft) for b, _ in table)  # the probe
+            self.rollouts_without_drafts = 0
         if table == self.table:
             return {}
         self.table = table

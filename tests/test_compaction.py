@@ -208,6 +208,8 @@ def test_choose_num_draft_on_known_costs():
     assert compaction.choose_num_draft(0.5, 1.0, t_verify, 0.1, 3, current=3, margin=0.07) == 3
     assert compaction.choose_num_draft(0.5, 1.0, t_verify, 0.1, 3, current=0, margin=0.2) == 1
     assert compaction.choose_num_draft(0.5, 1.0, t_verify, 0.1, 3, current=0, margin=0.3) == 0
+    # a γ in use beyond max_draft (a table from a larger num_draft) is not kept
+    assert compaction.choose_num_draft(0.5, 1.0, t_verify, 0.1, 2, current=3, margin=0.3) == 1
     assert compaction.expected_tokens(1.0, 3) == 4.0
     assert compaction.expected_tokens(0.5, 2) == pytest.approx(1.75)
     costs = {
@@ -280,7 +282,7 @@ def test_rollouts_derive_the_draft_table_from_costs_and_the_running_acceptance()
     # DRAFT_MARGIN (5 %). Window after 1 such rollout: α = 190/300, 129/190, 93/129 (E = 1.633,
     # 2.063, 2.373): 8 rows 1.36, 1.47, 1.48 -> 3 (unchanged); 16 rows 1.02, 0.94, 0.85 -> 1
     # (unchanged). After 2: α = .55, 138/220, 96/138 (E = 1.55, 1.895, 2.135): 8 rows 1.29,
-    # 1.354, 1.334 -> γ = 2 best but only 1.5 % over γ = 3, kept; 16 rows 1 (γ = 0) vs 0.969,
+    # 1.354, 1.334 -> γ = 2 best but only 1.4 % over γ = 3, kept; 16 rows 1 (γ = 0) vs 0.969,
     # 3.2 % -> 1 kept. After 3: α = .425, 87/170, 54/87 (E = 1.425, 1.643, 1.778): 8 rows 1.19,
     # 1.17, 1.11 -> 1 (6.9 % over γ = 3); 16 rows 1 vs 0.89 -> 0. After 4, only these: α = .3,
     # .3, 1/3 (E = 1.3, 1.39, 1.42): 8 rows 1.08, 0.99, 0.89 -> 1; 16 rows 0.81 -> 0 (unchanged).
@@ -406,3 +408,22 @@ def test_rollout_speedup_alternates_the_samplers_and_takes_each_ones_best(monkey
     assert res["plain_s"] == 1.0 and res["plain_tok_s"] == 120.0
     assert res["spec_s"] == 0.4 and res["spec_tok_s"] == 200.0
     assert res["speedup"] == pytest.approx(200.0 / 120.0) and res["batch"] == 128
+
+
+def test_a_derived_table_that_drafts_nowhere_is_probed_and_can_draft_again():
+    """Acceptance so low that no bucket drafts: the rollouts that follow attempt nothing, so the
+    running acceptance cannot move; after `DRAFT_PROBE_EVERY` of them one rollout drafts
+    `num_draft` everywhere, and what it measures (now high) brings drafting back."""
+    cfg, _ = config.load(str(REPO / "configs/demo.py"), ["rollout.compact=True"])
+    cfg = dataclasses.replace(cfg, rollout=dataclasses.replace(cfg.rollout, num_draft=3))
+    dear = {"step": 1.0, "draft": 0.1, **{f"verify_{w}": 1 + 0.5 * (w - 1) for w in (2, 3, 4)}}
+    ro = rollout.Rollouts(cfg, None, None, CharTokenizer(), None, draft_costs={8: dear, 16: dear})
+    # α = 0.05, 0, 0: E_1 = 1.05 per 1.6 steps < 1 token a step -> γ = 0 at both sizes
+    assert ro.update_draft_table([100, 10, 1], [5, 0, 0]) == {"draft_table": [[8, 0], [16, 0]]}
+    assert rollout.DRAFT_PROBE_EVERY == 16
+    logged = [ro.update_draft_table([0, 0, 0], [0, 0, 0]) for _ in range(16)]
+    assert logged[:15] == [{}] * 15
+    assert logged[15] == {"draft_table": [[8, 3], [16, 3]]}  # the probe
+    # The probe measures α = 0.8, 0.75, 0.75 (E = 1.8, 2.4, 2.85 over 1.6, 2.2, 2.8 steps:
+    # 1.125, 1.09, 1.02 tokens a step): γ = 1 is 10.5 % faster than the probe's γ = 3.
+    assert ro.update_draft_table([100, 80, 60], [80, 60, 45]) == {"draft_table": [[8, 1], [16, 1]]}
