@@ -240,13 +240,11 @@ def _best_time(fn, repeats: int) -> float:
     return best
 
 
-def loop_costs(pol, layers, mtp, vocab, batch, context, gammas, iters=16, repeats=3) -> dict:
-    """Seconds per iteration of a W-token verify (`verify_{W}`, W = 1 and γ+1 for each γ of
-    `gammas`) and of one MTP draft step (`draft`) at `batch` rows and `context` cached tokens,
-    each timed as a jitted loop of `iters` iterations the way the samplers run them (weights
-    prepared once, the cache carried through the loop, every output feeding the next iteration so
-    that nothing is dead code); best of `repeats`. `pol`, `mtp`: (graphdef, params) pairs;
-    `layers`: the policy's `model.decode_layers`; `vocab`: the draft vocabulary or None."""
+def loop_cost_timers(pol, layers, mtp, vocab, batch, context, gammas, iters=16) -> dict:
+    """Compiled timers for `loop_costs`: name -> a function that runs `iters` iterations of that
+    forward and returns their output (`verify_{W}`, W = 1 and γ+1 for each γ of `gammas`;
+    `draft`). A caller that times them more than once (interleaved with other runs) compiles them
+    once here."""
     cfg = model.graphdef_config(*pol)
     cache = model.new_cache(cfg, batch, context + iters + max(gammas) + 2)
     cache = cache.replace(lengths=jnp.full((batch,), context, jnp.int32))
@@ -261,10 +259,10 @@ def loop_costs(pol, layers, mtp, vocab, batch, context, gammas, iters=16, repeat
 
         return jax.lax.fori_loop(0, iters, body, (cache, jnp.ones((batch,), jnp.int32)))
 
-    res = {}
-    for w in sorted({1, *[g + 1 for g in gammas]}):
-        fn = functools.partial(verify, pol[1], layers, cache, w)
-        res[f"verify_{w}"] = _best_time(fn, repeats) / iters
+    timers = {
+        f"verify_{w}": functools.partial(verify, pol[1], layers, cache, w)
+        for w in sorted({1, *[g + 1 for g in gammas]})
+    }
     mcache = mtp_lib.new_cache(cfg, nnx.merge(*mtp).num_layers, batch, context + iters + 2)
     mcache = mcache.replace(lengths=jnp.full((batch,), context, jnp.int32))
 
@@ -283,8 +281,26 @@ def loop_costs(pol, layers, mtp, vocab, batch, context, gammas, iters=16, repeat
         init = (c, hid_Bx1xD, jnp.ones((batch,), jnp.int32))
         return jax.lax.fori_loop(0, iters, body, init)
 
-    res["draft"] = _best_time(lambda: draft(pol[1], mtp[1], mcache), repeats) / iters
-    return res
+    timers["draft"] = functools.partial(draft, pol[1], mtp[1], mcache)
+    for fn in timers.values():
+        jax.block_until_ready(fn())  # compile
+    return timers
+
+
+def time_costs(timers: dict, iters=16, repeats=3) -> dict:
+    """Seconds per iteration of each of `loop_cost_timers`' timers, best of `repeats`."""
+    return {name: _best_time(fn, repeats) / iters for name, fn in timers.items()}
+
+
+def loop_costs(pol, layers, mtp, vocab, batch, context, gammas, iters=16, repeats=3) -> dict:
+    """Seconds per iteration of a W-token verify (`verify_{W}`, W = 1 and γ+1 for each γ of
+    `gammas`) and of one MTP draft step (`draft`) at `batch` rows and `context` cached tokens,
+    each timed as a jitted loop of `iters` iterations the way the samplers run them (weights
+    prepared once, the cache carried through the loop, every output feeding the next iteration so
+    that nothing is dead code); best of `repeats`. `pol`, `mtp`: (graphdef, params) pairs;
+    `layers`: the policy's `model.decode_layers`; `vocab`: the draft vocabulary or None."""
+    timers = loop_cost_timers(pol, layers, mtp, vocab, batch, context, gammas, iters)
+    return time_costs(timers, iters, repeats)
 
 
 def bucket_costs(pol, layers, mtp, vocab, sizes, context, max_draft, repeats=3) -> dict:

@@ -19,8 +19,8 @@ cycles * (t_verify(γ+1) + γ t_draft) / (measured time - spec set-up): the cycl
 their cost model (efficiency = s + (1 - s) loop_efficiency, s the set-up's share of the
 measured time; before stop 31 the set-up was not modelled, so older `efficiency` figures are
 lower by construction). The set-up (the prompt's prefill: the policy's, and for the speculative
-sampler also the MTP's, and the first token) is timed on its own, best of the same repeats, as
-the jitted initial state of each sampler (`sampling._init_jit`, `spec_compacted._init_jit`);
+sampler also the MTP's, and the first token) is timed on its own as the jitted initial state of
+each sampler (`sampling._init_jit`, `spec_compacted._init_jit`);
 t_step is the plain sampler's loop step, (plain seconds - plain set-up) / plain steps. t_verify and
 t_draft are timed as jitted loops of that one forward the way the samplers run it
 (`spec_compacted.loop_costs`: prepared weights, carried cache, outputs used); loop steps and
@@ -28,6 +28,14 @@ cycles are counted until each batch's slowest row ends. (The two runs draw diffe
 so their lengths differ: a prediction without the token counts moved the efficiency by the
 ratio of the two runs' tokens, e.g. 0.82 at B=1, T=0.7, γ=2.) Both samplers get the decode
 weights prepared once (`model.decode_layers_jit`), as RL and distillation do.
+
+Timing (stop 36): each of `--repeats` rounds times, one after the other, the plain pass, its
+set-up, every cell's speculative pass and set-up, and the verify/draft costs; the ratios
+(speedup, predicted speedup, efficiency, costs in plain steps) are computed per round from that
+round's timings and reported as the median over rounds, with the efficiency's range; tokens/s
+are best of the rounds. (Before, the costs were timed once per batch size ahead of every run and
+each figure was a best-of taken minutes apart from the others: on this machine, whose speed
+drifts by 1.5x within minutes, one process's efficiency read anywhere in 0.85-1.23.)
 Last line: one JSON object.
 """
 
@@ -123,17 +131,29 @@ def cost_model(plain: dict, spec: dict, costs: dict, gamma: int) -> dict:
     }
 
 
-def timed_pass(fn, parts, repeats):
-    """Best-of-`repeats` wall time of running `fn` over every batch (compiled first), and the
-    outputs of the last pass."""
-    jax.block_until_ready(fn(*parts[0], 0))
-    best, outs = float("inf"), None
+def one_pass(fn, parts):
+    """Wall time of running `fn` over every batch, and the outputs."""
+    t0, outs = time.perf_counter(), []
+    for i, (t, ln) in enumerate(parts):
+        outs.append(jax.block_until_ready(fn(t, ln, i)))
+    return time.perf_counter() - t0, outs
+
+
+def interleaved(passes: dict, timers: dict, parts, repeats: int):
+    """Times every pass of `passes` (name -> fn over the batches) and every cost timer
+    (`spec_compacted.loop_cost_timers`) once per repeat, one after the other, so that each
+    repeat's figures come from the same minutes of the machine. All compiled first. Returns
+    (per-repeat seconds of each pass, per-repeat costs, the outputs of each pass's last run)."""
+    outs = {}
+    for fn in passes.values():
+        jax.block_until_ready(fn(*parts[0], 0))
+    secs, costs = {name: [] for name in passes}, []
     for _ in range(repeats):
-        t0, outs = time.perf_counter(), []
-        for i, (t, ln) in enumerate(parts):
-            outs.append(jax.block_until_ready(fn(t, ln, i)))
-        best = min(best, time.perf_counter() - t0)
-    return best, outs
+        for name, fn in passes.items():
+            t, outs[name] = one_pass(fn, parts)
+            secs[name].append(t)
+        costs.append(spec_compacted.time_costs(timers))
+    return secs, costs, outs
 
 
 def main():
@@ -151,7 +171,7 @@ def main():
     ap.add_argument("--temps", default="0.7,1.0")
     ap.add_argument("--rules", default="target_only,rejection")
     ap.add_argument("--new_tokens", type=int, default=48)
-    ap.add_argument("--repeats", type=int, default=1)
+    ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--num_prompts", type=int, default=16)
     ap.add_argument("--prompts", choices=["task", "mixed"], default="task")
     args = ap.parse_args()
@@ -168,9 +188,8 @@ def main():
     rows = []
     for b in args.batches:
         parts = batches(all_toks, all_lens, b)
-        costs = spec_compacted.loop_costs(
-            pol, layers, mtp, vocab, b, int(all_toks.shape[1]) + args.new_tokens // 2, gammas
-        )
+        context = int(all_toks.shape[1]) + args.new_tokens // 2
+        timers = spec_compacted.loop_cost_timers(pol, layers, mtp, vocab, b, context, gammas)
         for temp in temps:
             scfg = sampling_config(tok, temp, args.new_tokens)
             keys = jax.random.split(jax.random.key(0), len(parts))
@@ -181,67 +200,88 @@ def main():
             def plain_setup(t, ln, i, scfg=scfg, keys=keys):
                 return sampling._init_jit(*pol, t, ln, keys[i], scfg, layers)
 
-            t_plain, outs = timed_pass(plain, parts, args.repeats)
-            setup_plain = timed_pass(plain_setup, parts, args.repeats)[0]  # states dropped
-            plain_tokens = sum(int(o.lengths.sum()) for o in outs)
-            plain_tps = plain_tokens / t_plain
-            # The plain loop runs until its longest row ends: one step per token of that row.
-            plain_steps = sum(int(o.lengths.max()) for o in outs)
-            plain_run = dict(t=t_plain, setup=setup_plain, steps=plain_steps, tokens=plain_tokens)
-            for g in gammas:
-                for rule in rules:
-                    spec = speculative.SpecConfig(g, rule)
+            passes = {"plain": plain, "plain_setup": plain_setup}
+            cells = [(g, rule) for g in gammas for rule in rules]
+            for g, rule in cells:
+                spec = speculative.SpecConfig(g, rule)
 
-                    def run(t, ln, i, spec=spec, scfg=scfg, keys=keys):
-                        return speculative.sample_jit(
-                            *pol, *mtp, t, ln, keys[i], scfg, spec, vocab, layers
-                        )
-
-                    def setup(t, ln, i, spec=spec, scfg=scfg, keys=keys):
-                        y = spec.num_draft  # as `speculative.sample` sets the loop up
-                        call = (*pol, *mtp, vocab, layers, t, ln, keys[i], scfg, spec)
-                        return spec_compacted._init_jit(*call, y > 0, y, 0)
-
-                    t, outs = timed_pass(run, parts, args.repeats)
-                    setup_spec = timed_pass(setup, parts, args.repeats)[0]
-                    pooled = jax.tree.map(lambda *x: np.concatenate(x), *jax.device_get(outs))
-                    summ = speculative.summarize(pooled)  # all rows of all batches
-                    tps = summ["tokens"] / t
-                    # Cost model: the set-up, then each cycle of the loop (until its slowest
-                    # row ends) one (γ+1)-token verify + γ MTP calls (catch-up + γ-1 chain
-                    # steps); the plain sampler as measured. Per token of each run.
-                    cycles = sum(int(o.stats.verify_calls.max()) for o in outs)
-                    spec_run = dict(t=t, setup=setup_spec, cycles=cycles, tokens=summ["tokens"])
-                    figures = cost_model(plain_run, spec_run, costs, g)
-                    row = {
-                        "batch": b,
-                        "temperature": temp,
-                        "gamma": g,
-                        "rule": rule,
-                        "plain_tok_s": plain_tps,
-                        "spec_tok_s": tps,
-                        "accept_len": summ["accept_len"],
-                        "accept_rate": summ["accept_rate"],
-                        **{f"accept_rate_{k}": summ[f"accept_rate_{k}"] for k in range(1, g + 1)},
-                        **figures,
-                        "setup_ms_plain": 1e3 * setup_plain / len(parts),
-                        "setup_ms_spec": 1e3 * setup_spec / len(parts),
-                        "plain_tokens": plain_tokens,
-                        "spec_tokens": summ["tokens"],
-                    }
-                    rows.append(row)
-                    per_pos = " / ".join(f"{row[f'accept_rate_{k}']:.2f}" for k in range(1, g + 1))
-                    print(
-                        f"B={b:3d} T={temp:.1f} γ={g} {rule:11s} plain {plain_tps:8.1f} tok/s  "
-                        f"spec {tps:8.1f} tok/s  speedup {row['speedup']:.2f}x  "
-                        f"accept_len {summ['accept_len']:.2f} ({per_pos})  "
-                        f"predicted {row['predicted_speedup']:.2f}x  "
-                        f"eff {row['efficiency']:.2f} "
-                        f"(loop {row['loop_efficiency']:.2f}, "
-                        f"set-up {row['setup_share_spec']:.0%})  "
-                        f"verify {row['verify_cost']:.2f}x  draft {row['draft_cost']:.2f}x",
-                        flush=True,
+                def run(t, ln, i, spec=spec, scfg=scfg, keys=keys):
+                    return speculative.sample_jit(
+                        *pol, *mtp, t, ln, keys[i], scfg, spec, vocab, layers
                     )
+
+                def setup(t, ln, i, spec=spec, scfg=scfg, keys=keys):
+                    y = spec.num_draft  # as `speculative.sample` sets the loop up
+                    call = (*pol, *mtp, vocab, layers, t, ln, keys[i], scfg, spec)
+                    return spec_compacted._init_jit(*call, y > 0, y, 0)
+
+                passes[("spec", g, rule)], passes[("setup", g, rule)] = run, setup
+            secs, costs, outs = interleaved(passes, timers, parts, args.repeats)
+            plain_tokens = sum(int(o.lengths.sum()) for o in outs["plain"])
+            plain_tps = plain_tokens / min(secs["plain"])
+            # The plain loop runs until its longest row ends: one step per token of that row.
+            plain_steps = sum(int(o.lengths.max()) for o in outs["plain"])
+            for g, rule in cells:
+                spec_outs = outs[("spec", g, rule)]
+                pooled = jax.tree.map(lambda *x: np.concatenate(x), *jax.device_get(spec_outs))
+                summ = speculative.summarize(pooled)  # all rows of all batches
+                tps = summ["tokens"] / min(secs[("spec", g, rule)])
+                # Cost model: the set-up, then each cycle of the loop (until its slowest row
+                # ends) one (γ+1)-token verify + γ MTP calls (catch-up + γ-1 chain steps); the
+                # plain sampler as measured. Per token of each run, per repeat (paired timings).
+                cycles = sum(int(o.stats.verify_calls.max()) for o in spec_outs)
+                per_repeat = [
+                    cost_model(
+                        dict(
+                            t=secs["plain"][r],
+                            setup=secs["plain_setup"][r],
+                            steps=plain_steps,
+                            tokens=plain_tokens,
+                        ),
+                        dict(
+                            t=secs[("spec", g, rule)][r],
+                            setup=secs[("setup", g, rule)][r],
+                            cycles=cycles,
+                            tokens=summ["tokens"],
+                        ),
+                        costs[r],
+                        g,
+                    )
+                    for r in range(args.repeats)
+                ]
+                figures = {k: float(np.median([f[k] for f in per_repeat])) for k in per_repeat[0]}
+                effs = [f["efficiency"] for f in per_repeat]
+                row = {
+                    "batch": b,
+                    "temperature": temp,
+                    "gamma": g,
+                    "rule": rule,
+                    "repeats": args.repeats,
+                    "plain_tok_s": plain_tps,
+                    "spec_tok_s": tps,
+                    "accept_len": summ["accept_len"],
+                    "accept_rate": summ["accept_rate"],
+                    **{f"accept_rate_{k}": summ[f"accept_rate_{k}"] for k in range(1, g + 1)},
+                    **figures,
+                    "efficiency_range": [min(effs), max(effs)],
+                    "setup_ms_plain": 1e3 * min(secs["plain_setup"]) / len(parts),
+                    "setup_ms_spec": 1e3 * min(secs[("setup", g, rule)]) / len(parts),
+                    "plain_tokens": plain_tokens,
+                    "spec_tokens": summ["tokens"],
+                }
+                rows.append(row)
+                per_pos = " / ".join(f"{row[f'accept_rate_{k}']:.2f}" for k in range(1, g + 1))
+                print(
+                    f"B={b:3d} T={temp:.1f} γ={g} {rule:11s} plain {plain_tps:8.1f} tok/s  "
+                    f"spec {tps:8.1f} tok/s  speedup {row['speedup']:.2f}x  "
+                    f"accept_len {summ['accept_len']:.2f} ({per_pos})  "
+                    f"predicted {row['predicted_speedup']:.2f}x  "
+                    f"eff {row['efficiency']:.2f} [{min(effs):.2f}-{max(effs):.2f}] "
+                    f"(loop {row['loop_efficiency']:.2f}, "
+                    f"set-up {row['setup_share_spec']:.0%})  "
+                    f"verify {row['verify_cost']:.2f}x  draft {row['draft_cost']:.2f}x",
+                    flush=True,
+                )
     best = max(rows, key=lambda r: r["speedup"])
     print(
         json.dumps(
