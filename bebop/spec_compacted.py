@@ -231,7 +231,7 @@ def sample_compacted(
 
 
 def _best_time(fn, repeats: int) -> float:
-    jax.block_until_ready(fn())  # compile
+    jax.block_until_ready(fn())  # compile, or warm up
     best = float("inf")
     for _ in range(repeats):
         t0 = time.perf_counter()
@@ -287,8 +287,9 @@ def loop_cost_timers(pol, layers, mtp, vocab, batch, context, gammas, iters=16) 
     return timers
 
 
-def time_costs(timers: dict, iters=16, repeats=3) -> dict:
-    """Seconds per iteration of each of `loop_cost_timers`' timers, best of `repeats`."""
+def time_costs(timers: dict, iters: int, repeats=3) -> dict:
+    """Seconds per iteration of each of `loop_cost_timers`' timers (built with the same `iters`),
+    best of `repeats`."""
     return {name: _best_time(fn, repeats) / iters for name, fn in timers.items()}
 
 

@@ -32,8 +32,10 @@ weights prepared once (`model.decode_layers_jit`), as RL and distillation do.
 Timing (stop 36): each of `--repeats` rounds times, one after the other, the plain pass, its
 set-up, every cell's speculative pass and set-up, and the verify/draft costs; the ratios
 (speedup, predicted speedup, efficiency, costs in plain steps) are computed per round from that
-round's timings and reported as the median over rounds, with the efficiency's range; tokens/s
-are best of the rounds. (Before, the costs were timed once per batch size ahead of every run and
+round's timings and reported as the median over rounds, with the efficiency's range (each a
+median of its own, so `efficiency` need not equal the ratio of the two medians); tokens/s and
+set-up milliseconds are best of the rounds; within a round each pass runs once and each cost
+loop best of 3. (Before, the costs were timed once per batch size ahead of every run and
 each figure was a best-of taken minutes apart from the others: on this machine, whose speed
 drifts by 1.5x within minutes, one process's efficiency read anywhere in 0.85-1.23.)
 Last line: one JSON object.
@@ -58,6 +60,7 @@ from bebop import model, prompts, sampling, sharding, spec_compacted, speculativ
 from bebop import mtp as mtp_lib  # noqa: E402
 
 REPO = Path(__file__).resolve().parents[1]
+COST_ITERS = 16  # iterations of each verify/draft cost loop
 
 
 def load_models(args, mesh):
@@ -143,16 +146,19 @@ def interleaved(passes: dict, timers: dict, parts, repeats: int):
     """Times every pass of `passes` (name -> fn over the batches) and every cost timer
     (`spec_compacted.loop_cost_timers`) once per repeat, one after the other, so that each
     repeat's figures come from the same minutes of the machine. All compiled first. Returns
-    (per-repeat seconds of each pass, per-repeat costs, the outputs of each pass's last run)."""
+    (per-repeat seconds of each pass, per-repeat costs, the outputs of each pass's last run but
+    the set-ups', whose states are dropped)."""
     outs = {}
     for fn in passes.values():
         jax.block_until_ready(fn(*parts[0], 0))
     secs, costs = {name: [] for name in passes}, []
     for _ in range(repeats):
         for name, fn in passes.items():
-            t, outs[name] = one_pass(fn, parts)
+            t, out = one_pass(fn, parts)
             secs[name].append(t)
-        costs.append(spec_compacted.time_costs(timers))
+            if name != "plain_setup" and name[0] != "setup":  # set-up states (caches) dropped
+                outs[name] = out
+        costs.append(spec_compacted.time_costs(timers, COST_ITERS))
     return secs, costs, outs
 
 
@@ -175,6 +181,8 @@ def main():
     ap.add_argument("--num_prompts", type=int, default=16)
     ap.add_argument("--prompts", choices=["task", "mixed"], default="task")
     args = ap.parse_args()
+    if args.repeats < 1:
+        raise SystemExit(f"--repeats: want at least 1 round, got {args.repeats}")
     args.batches = [int(x) for x in args.batches.split(",")]
     gammas = [int(x) for x in args.gammas.split(",")]
     temps = [float(x) for x in args.temps.split(",")]
@@ -189,7 +197,9 @@ def main():
     for b in args.batches:
         parts = batches(all_toks, all_lens, b)
         context = int(all_toks.shape[1]) + args.new_tokens // 2
-        timers = spec_compacted.loop_cost_timers(pol, layers, mtp, vocab, b, context, gammas)
+        timers = spec_compacted.loop_cost_timers(
+            pol, layers, mtp, vocab, b, context, gammas, COST_ITERS
+        )
         for temp in temps:
             scfg = sampling_config(tok, temp, args.new_tokens)
             keys = jax.random.split(jax.random.key(0), len(parts))
