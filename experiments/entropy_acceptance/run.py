@@ -13,11 +13,14 @@ policy entropy of the emitted tokens and the accept length (tokens per verify).
     python experiments/entropy_acceptance/run.py --model demo
     python experiments/entropy_acceptance/run.py --model smollm2 \\
         --distill_from runs/mtp_smollm2_d2/distill --tv_workdir runs/mtp_smollm2_d2
+    python experiments/entropy_acceptance/run.py --model smollm2_recipe \\
+        --ce_workdir runs/exp_mtp_loss_ablation/smollm2/ce \\
+        --tv_workdir runs/exp_mtp_loss_ablation/smollm2/e2e_tv
 
 Runs land in `runs/exp_entropy_acceptance/<model>/{tv,ce}/` (`launch.py` runs; finished stages
 are reused). `--distill_from DIR` hard-links a finished distill stage (and its cached target
-hiddens) into both, `--tv_workdir` reuses a finished e2e-TV run of the same recipe. Figures and
-`results_<model>.json` land next to this file. Last line: one JSON object.
+hiddens) into both, `--tv_workdir` / `--ce_workdir` reuse finished e2e-TV / CE runs of the same
+recipe. Figures and `results_<model>.json` land next to this file. Last line: one JSON object.
 """
 
 from __future__ import annotations
@@ -76,6 +79,17 @@ MODELS = {
         batch=8,
         new_tokens=128,
     ),
+    # configs/mtp_smollm2.py's current recipe at its full budget (2,100 steps on 3,072 answers to
+    # the RL task at T = 1): reuses the loss ablation's CE and e2e-TV arms (--ce_workdir,
+    # --tv_workdir), whose held-out acceptance is 0.55 / 0.58 against 0.45 / 0.47 above.
+    "smollm2_recipe": dict(
+        config="configs/mtp_smollm2.py",
+        stages="('distill','mtp')",
+        overrides=(),
+        prompts=64,
+        batch=8,
+        new_tokens=96,
+    ),
 }
 TEMPS = (0.3, 0.5, 0.7, 1.0, 1.3)
 GAMMA = 3
@@ -85,7 +99,10 @@ PAPER_SLOPES = {"RS-CE": -1.68, "RS-TV": -0.06}
 
 def train_mtps(args, spec: dict, root: Path) -> dict:
     """The e2e-TV and CE MTP runs (trained here unless given/finished): {name: workdir}."""
-    runs = {"tv": Path(args.tv_workdir) if args.tv_workdir else root / "tv", "ce": root / "ce"}
+    runs = {
+        "tv": Path(args.tv_workdir) if args.tv_workdir else root / "tv",
+        "ce": Path(args.ce_workdir) if args.ce_workdir else root / "ce",
+    }
     for name, wd in runs.items():
         if (wd / "mtp" / "summary.json").exists():
             continue
@@ -177,6 +194,7 @@ def main():
     ap.add_argument("--root", default="runs/exp_entropy_acceptance")
     ap.add_argument("--distill_from", default="", help="a finished distill stage to reuse")
     ap.add_argument("--tv_workdir", default="", help="a finished e2e-TV run of the same recipe")
+    ap.add_argument("--ce_workdir", default="", help="a finished CE run of the same recipe")
     ap.add_argument("--prompts", type=int, default=0, help="held-out prompts (0: the default)")
     args = ap.parse_args()
     spec = dict(MODELS[args.model])
