@@ -17,7 +17,7 @@ each over its own run's tokens:
 so efficiency = modelled / measured time of the speculative sampler, and loop_efficiency =
 cycles * (t_verify(γ+1) + γ t_draft) / (measured time - spec set-up): the cycles alone against
 their cost model (efficiency = s + (1 - s) loop_efficiency, s the set-up's share of the
-measured time; before stop 31 the set-up was not modelled, so older `efficiency` figures are
+measured time; before commit f60195f the set-up was not modelled, so older `efficiency` figures are
 lower by construction). The set-up (the prompt's prefill: the policy's, and for the speculative
 sampler also the MTP's, and the first token) is timed on its own as the jitted initial state of
 each sampler (`sampling._init_jit`, `spec_compacted._init_jit`);
@@ -29,7 +29,7 @@ so their lengths differ: a prediction without the token counts moved the efficie
 ratio of the two runs' tokens, e.g. 0.82 at B=1, T=0.7, γ=2.) Both samplers get the decode
 weights prepared once (`model.decode_layers_jit`), as RL and distillation do.
 
-Timing (stop 36): each of `--repeats` rounds times, one after the other, the plain pass, its
+Timing: each of `--repeats` rounds times, one after the other, the plain pass, its
 set-up, every cell's speculative pass and set-up, and the verify/draft costs; the ratios
 (speedup, predicted speedup, efficiency, costs in plain steps) are computed per round from that
 round's timings and reported as the median over rounds, with the efficiency's range (each a

@@ -26,7 +26,7 @@ def get_config(arg=None):
         qk_norm=True,
         # Four layers: training forwards unroll them. The layer scan's per-layer residual buffers
         # cost the GRPO step (128 rows x 56 tokens) 2.55-2.59 s against 2.11-2.18 s unrolled
-        # (stop 34, alternating processes, quiet); compiling 4 layers unrolled is cheap.
+        # (commit 847a5a1, alternating processes, quiet); compiling 4 layers unrolled is cheap.
         scan_layers=False,
     )
     c.task.digits = a.digits

@@ -91,7 +91,7 @@ def test_partial_chains_train_step_one_near_the_end_of_a_sequence():
 
 
 def test_dca_trains_every_anchor_whose_gated_terms_are_inside_the_sequence():
-    """The issue's case: T = 12, 5 chain steps, verify cycles with accept length 1 at anchors
+    """A reported case: T = 12, 5 chain steps, verify cycles with accept length 1 at anchors
     0, 2, .., 8 and longer ones at 9 and 10. Every cycle anchor whose step 1 is supervised gets a
     gradient on exactly its gated, in-sequence steps (anchors 6, 8, 9 were dropped when all 5 steps
     had to fit); the loss equals a naive per-term reference."""

@@ -109,7 +109,7 @@ def restored_w(stage_dir):
 
 
 def test_divergence_keeps_the_last_good_checkpoint_and_a_rerun_resumes_from_it(tmp_path):
-    """lr x 1e5 at steps 5-8: finite loss, parameters x2e4 per step (the issue's lr=1e6 case)."""
+    """lr x 1e5 at steps 5-8: finite loss, parameters x2e4 per step (the reported lr=1e6 case)."""
     cfg = toy_cfg()
     good = toy_fit(tmp_path / "ref", cfg)  # the same data without the blow-up, uninterrupted
     with pytest.raises(

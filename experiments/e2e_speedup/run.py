@@ -2,7 +2,7 @@
 
 The demo RL run (the demo's GRPO stage from one SFT policy and one pre-RL e2e-TV MTP, same seed
 and prompts, 120 steps of 16 prompts x 8 samples, T = 0.7, γ = 2) six ways, one after the other
-in one sitting: plain rollouts and frozen-MTP speculative rollouts (rejection sampling), each
+in one run of this script: plain rollouts and frozen-MTP speculative rollouts (rejection sampling), each
 synchronous (every batch from the current policy) and asynchronous (staleness 1: the next batch
 is sampled while the learner updates), and both asynchronous with tail-aware rollouts
 (`rollout.compact`; the speculative arm with the draft table derived from measured costs and
@@ -203,7 +203,7 @@ def main():
     base = common.base_run(Path(args.base))
     results = common.study2_arms(ARMS, base, Path(args.workdir))
     times = {n: timing(r) for n, r in results.items()}
-    for n, r in results.items():  # one sitting: when each arm ran
+    for n, r in results.items():  # when each arm ran, one after the other
         times[n]["started"] = r.records[0]["time"]
     rat = ratios(times)
     figures(results, args.window)

@@ -28,7 +28,7 @@ resumes from its last checkpoint when interrupted; its held-out evaluation is sa
 `<loss>/heldout.json`. A finished arm's figures (held-out evaluation and curves) are also kept
 here, in `arms/<model>_<loss>.json` with the arm's config: a later launch whose arm config is the
 same uses them instead of training the arm again, so the arms of this study can be trained in
-different sessions (run directories do not survive a fresh checkout). Writes
+separate launches (run directories do not survive a fresh checkout). Writes
 `results_<model>.json` and the curves here. Last line: JSON.
 """
 
@@ -314,7 +314,7 @@ def main():
     ap.add_argument("--workdir", default="runs/exp_mtp_loss_ablation")
     ap.add_argument("--base", default="", help="a finished recipe run (default WORKDIR/MODEL/base)")
     ap.add_argument("--losses", default=",".join(LOSSES), help="comma-separated; ce first")
-    # 768: 1 s.e. of a paired difference 0.48-0.53 points (stop 37; 0.88 on 192 prompts).
+    # 768: 1 s.e. of a paired difference 0.48-0.53 points (commit 0111063; 0.88 on 192 prompts).
     ap.add_argument("--eval_prompts", type=int, default=768)
     ap.add_argument(
         "--retrain",
