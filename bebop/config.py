@@ -55,18 +55,18 @@ def _positive(obj, prefix: str, *names: str) -> None:
 class ModelConfig:
     """Qwen2/Qwen3/Llama-family decoder. See `bebop/model.py`."""
 
-    vocab_size: int = 32
-    dim: int = 128
-    num_layers: int = 2
-    num_heads: int = 4
-    num_kv_heads: int = 2
-    head_dim: int = 32
-    ffw_dim: int = 384
-    rope_theta: float = 10000.0
-    norm_eps: float = 1e-6
+    vocab_size: int = 32  # vocabulary size (the demo policy; gguf/hf policies read theirs)
+    dim: int = 128  # model width D
+    num_layers: int = 2  # decoder layers
+    num_heads: int = 4  # query heads
+    num_kv_heads: int = 2  # key/value heads (grouped-query attention; divides num_heads)
+    head_dim: int = 32  # per-head width (even: RoPE)
+    ffw_dim: int = 384  # SwiGLU hidden width F
+    rope_theta: float = 10000.0  # RoPE base frequency
+    norm_eps: float = 1e-6  # RMSNorm epsilon
     qkv_bias: bool = False  # Qwen2
     qk_norm: bool = False  # Qwen3
-    tie_embeddings: bool = True
+    tie_embeddings: bool = True  # the output head shares the embedding matrix
     # Compute dtype: matmul inputs, activations and the KV cache (each weight is rounded to it
     # where it is used; decoding reads a copy of the weights in it). RMSNorm statistics, RoPE,
     # softmax, logits, losses and log-probs are always float32.
@@ -79,7 +79,7 @@ class ModelConfig:
     # unrolled. Cached forwards (prefill, decode loops) always unroll over per-layer weights and
     # caches (`model.decode_layers`; a scanned decode step copied every weight: bebop/model.py).
     scan_layers: bool = True
-    init_std: float = 0.02
+    init_std: float = 0.02  # standard deviation of the random initialisation
 
     def validate(self, p: str = "model.") -> None:
         _positive(self, p, "vocab_size", "dim", "num_layers", "num_heads", "num_kv_heads")
@@ -103,9 +103,9 @@ class ModelConfig:
 class MeshConfig:
     """Device mesh axes; -1 means 'all remaining devices' (at most one axis may say so)."""
 
-    data: int = -1
-    fsdp: int = 1
-    tensor: int = 1
+    data: int = -1  # data-parallel axis size
+    fsdp: int = 1  # fully-sharded (parameters and optimizer state) axis size
+    tensor: int = 1  # tensor-parallel axis size
 
     def validate(self, p: str = "mesh.") -> None:
         sizes = {"data": self.data, "fsdp": self.fsdp, "tensor": self.tensor}
@@ -118,14 +118,14 @@ class MeshConfig:
 class OptimConfig:
     """AdamW with linear warmup then a decay schedule, and global-norm gradient clipping."""
 
-    lr: float = 1e-3
-    warmup_steps: int = 20
+    lr: float = 1e-3  # peak learning rate
+    warmup_steps: int = 20  # linear warm-up steps from 0 to lr
     schedule: str = "cosine"  # cosine | linear | constant
-    min_lr_ratio: float = 0.1
-    weight_decay: float = 0.01
-    b1: float = 0.9
-    b2: float = 0.95
-    grad_clip: float = 1.0
+    min_lr_ratio: float = 0.1  # final lr as a fraction of lr (cosine / linear)
+    weight_decay: float = 0.01  # AdamW decoupled weight decay
+    b1: float = 0.9  # AdamW beta1
+    b2: float = 0.95  # AdamW beta2
+    grad_clip: float = 1.0  # global gradient-norm clip
 
     def validate(self, p: str) -> None:
         _positive(self, p, "lr", "grad_clip")
@@ -156,10 +156,10 @@ class TaskConfig:
 
 @dataclasses.dataclass(frozen=True)
 class SFTConfig:
-    steps: int = 300
-    batch_size: int = 64
-    seq_len: int = 48
-    log_every: int = 10
+    steps: int = 300  # training steps
+    batch_size: int = 64  # sequences per step
+    seq_len: int = 48  # tokens per training sequence
+    log_every: int = 10  # steps between logged metrics
     eval_samples: int = 256  # held-out prompts for the greedy task-accuracy evaluation
     optim: OptimConfig = OptimConfig()
 
@@ -170,9 +170,9 @@ class SFTConfig:
 
 @dataclasses.dataclass(frozen=True)
 class CheckpointConfig:
-    every: int = 100
-    keep: int = 2
-    async_save: bool = True
+    every: int = 100  # steps between checkpoints
+    keep: int = 2  # checkpoints kept (newest)
+    async_save: bool = True  # save in the background while training continues
 
     def validate(self, p: str = "ckpt.") -> None:
         _positive(self, p, "every", "keep")
@@ -184,10 +184,10 @@ class DistributedConfig:
     environment (e.g. a TPU pod or SLURM) lets `jax.distributed.initialize()` discover it and
     `auto` is set."""
 
-    coordinator_address: str = ""
-    num_processes: int = 1
-    process_id: int = 0
-    auto: bool = False
+    coordinator_address: str = ""  # host:port of process 0
+    num_processes: int = 1  # processes in the job
+    process_id: int = 0  # this process's index
+    auto: bool = False  # let `jax.distributed.initialize()` discover the cluster
 
     def validate(self, p: str = "distributed.") -> None:
         _positive(self, p, "num_processes")
@@ -243,10 +243,10 @@ MAX_NEW_TOKENS = 32768  # rollouts longer than this are a typo, not a plan (KV c
 class RolloutConfig:
     """Sampling used for rollouts (RL and self-distillation) and speculative decoding."""
 
-    temperature: float = 1.0
-    top_p: float = 1.0
-    top_k: int = 0
-    max_new_tokens: int = 48
+    temperature: float = 1.0  # sampling temperature (0 = greedy; > 0 for RL)
+    top_p: float = 1.0  # nucleus sampling mass (1 = off)
+    top_k: int = 0  # keep the k most likely tokens (0 = off)
+    max_new_tokens: int = 48  # response length bound
     mode: str = "rejection"  # plain | rejection | target_only
     num_draft: int = 3  # γ
     # Tail-aware rollouts (bebop/compaction.py): when the live rows fall to half, continue with
@@ -286,8 +286,8 @@ class RolloutConfig:
 class DistillConfig:
     """Self-distillation data: the frozen policy's own samples at the rollout temperature."""
 
-    num_samples: int = 2048
-    batch_size: int = 256
+    num_samples: int = 2048  # prompts answered by the policy (one sample each)
+    batch_size: int = 256  # prompts sampled per batch
     prompts: str = "task"  # task (the run's task: what RL will sample) | mixed (chat requests)
     mixed_fraction: float = 0.0  # with prompts=task: this share of mixed chat prompts, interleaved
     # An MTP checkpoint directory (`.../mtp/ckpt`): distil with the speculative sampler
@@ -357,22 +357,22 @@ class MTPConfig:
 class RLConfig:
     """Async GRPO with speculative rollouts (see `bebop/rl/`)."""
 
-    steps: int = 40
-    prompts_per_step: int = 16
-    group_size: int = 8
-    clip_low: float = 0.2
-    clip_high: float = 0.28
-    kl_coef: float = 0.0
-    std_norm: bool = True
+    steps: int = 40  # GRPO steps
+    prompts_per_step: int = 16  # prompts per RL batch
+    group_size: int = 8  # rollouts per prompt (a GRPO group)
+    clip_low: float = 0.2  # importance-ratio clip below: 1 - clip_low
+    clip_high: float = 0.28  # importance-ratio clip above: 1 + clip_high (clip-higher)
+    kl_coef: float = 0.0  # k3 KL penalty to the policy at RL start (0 = off)
+    std_norm: bool = True  # divide advantages by the group's reward std
     loss_agg: str = "token"  # token | sequence
     max_staleness: int = 1  # 0 = synchronous; batch i is generated by policy version i - s
     mtp_strategy: str = "frozen"  # frozen | online | joint | growmtp
     mtp_loss: str = "e2e_tv"  # online / joint updates (growmtp always uses dca)
     mtp_every: int = 1  # online: MTP update cadence in learner steps
-    reward_timeout_s: float = 30.0
-    reward_retries: int = 1
+    reward_timeout_s: float = 30.0  # seconds a reward call may take
+    reward_retries: int = 1  # retries of a reward call that timed out or failed
     reward_timeout_action: str = "error"  # error | zero: what a reward call past the bound gets
-    log_every: int = 1
+    log_every: int = 1  # steps between logged metrics
     eval_samples: int = 256  # greedy accuracy before / after RL on held-out problems
     eval_every: int = 0  # also every this many RL steps (0 = off)
     draft_log_rows: int = 4  # rows per step whose drafted tokens go to rl/draft_tokens.bin
@@ -419,14 +419,14 @@ STAGES = ("sft", "distill", "mtp", "rl")
 
 @dataclasses.dataclass(frozen=True)
 class RunConfig:
-    seed: int = 0
-    stages: tuple[str, ...] = ("sft",)
+    seed: int = 0  # base seed of every stage (data order, initialisation, sampling keys)
+    stages: tuple[str, ...] = ("sft",)  # the stages to run, in order: sft | distill | mtp | rl
     max_nonfinite: int = 5  # stop after this many consecutive skipped (non-finite) updates
     # Divergence guard (0 = off): stop when a step's loss exceeds `max_loss_spike` x the median
     # of the previous 20 steps' losses, or the global parameter norm exceeds `max_param_growth` x
     # its value at the stage's first step. Such a step is never checkpointed.
     max_loss_spike: float = 0.0
-    max_param_growth: float = 100.0
+    max_param_growth: float = 100.0  # see `max_loss_spike`
     tensorboard: bool = False  # also write <stage>/tb (needs tensorboardX, in requirements.txt)
     profile_steps: int = 0  # jax.profiler trace of N steps after the first -> <stage>/profile
     compile_cache: bool = True  # persistent XLA compilation cache in <workdir>/jax_cache
