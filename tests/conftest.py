@@ -26,7 +26,7 @@ from bebop.config import ModelConfig  # noqa: E402, I001
 
 REPO = Path(__file__).resolve().parents[1]
 
-# One persistent compilation cache for the session: many tests build fresh closures over the same
+# One persistent compilation cache for the test run: many tests build fresh closures over the same
 # tiny models, which compile to identical programs; the cache turns the repeats into loads.
 # Subprocesses (`launch.py` runs) inherit it through the environment; pytest-xdist workers share
 # one per run (PYTEST_XDIST_TESTRUNUID is the same in every worker of a run).
@@ -46,14 +46,16 @@ jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.0)
 jax.config.update("jax_persistent_cache_min_entry_size_bytes", 0)
 
 
-# Seconds each heavy file took on 2 cores (stop 35, per-file sums of `--durations`). With
-# `--dist loadfile` pytest-xdist hands whole files to the 2 workers in collection order; its
-# default reordering (by number of tests: `pyproject.toml` turns it off) started the two slowest
-# files by wall time, test_sft and test_multiprocess, among the last, so one worker ran them
-# alone at the end. Longest first is the classic schedule that keeps both workers busy.
+# Seconds each heavy file took on 2 loaded cores (per-file sums of `--durations`, commit 52ba353,
+# 2026-12-04; test_rl_stage.py: the whole former test_rl.py, whose time was mostly its pipeline
+# fixture and RL runs). With `--dist loadfile` pytest-xdist hands whole files to the 2 workers in
+# collection order; its default reordering (by number of tests: `pyproject.toml` turns it off)
+# started the two slowest files by wall time, test_sft and test_multiprocess, among the last, so
+# one worker ran them alone at the end. Longest first is the classic schedule that keeps both
+# workers busy. Only the order matters here, not the exact figures.
 HEAVY_FILES_S = {
     "test_speculative.py": 525,
-    "test_rl.py": 494,
+    "test_rl_stage.py": 494,
     "test_sft.py": 327,
     "test_compaction.py": 299,
     "test_multiprocess.py": 281,

@@ -139,6 +139,7 @@ def summaries(workdir):
     return {s: json.loads((workdir / s / "summary.json").read_text()) for s in COMPARED}
 
 
+@pytest.mark.slow
 def test_two_processes_match_one_process_on_the_same_mesh(runs):
     """Every stage's results of the 2-process run (RL killed once and resumed) equal the
     uninterrupted 1-process run's within RTOL."""
@@ -182,6 +183,7 @@ def _leaves(x):
         yield float(x)
 
 
+@pytest.mark.slow
 def test_a_killed_process_stops_the_job_and_a_restart_resumes(runs):
     """SIGKILL to process 1 once RL step 1 is checkpointed: the launcher stops process 0 and
     exits with 137 naming process 1 within KILL_BOUND_S, before RL finished; the restart resumed

@@ -83,6 +83,7 @@ def test_checkpointer_roundtrip_keeps_meta(tmp_path):
     assert sorted(p.name for p in Path(tmp_path).iterdir() if p.name.isdigit()) == ["2", "3"]
 
 
+@pytest.mark.slow
 def test_runlocal_pipeline_learns_the_task_and_trains_the_mtp(tmp_path):
     """The 'done when' command: launch.py on the runlocal config. Loss must fall and greedy task
     accuracy on 64 held-out problems must beat chance (exact-match answers in 0..198: chance
