@@ -1,7 +1,7 @@
 """A minimal JAX decoder of a Llama-architecture model, written only as a speed yardstick for
 `benchmarks/decode.py` (it shares no code with `bebop/model.py`).
 
-The design measured as the minimal decoder: Python-unrolled layers, each layer's weights separate arrays
+The minimal decoder's design: Python-unrolled layers, each layer's weights separate arrays
 pre-transposed to `[in, out]`, a tuple of per-layer `[B, K, S, Dh]` caches written with
 `dynamic_update_slice` at ONE scalar position (every row has the same prompt), one jitted
 `fori_loop`, greedy, no log-probs or entropy. It is what a decoder that cuts every corner costs.

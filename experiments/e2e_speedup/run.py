@@ -2,7 +2,7 @@
 
 The demo RL run (the demo's GRPO stage from one SFT policy and one pre-RL e2e-TV MTP, same seed
 and prompts, 120 steps of 16 prompts x 8 samples, T = 0.7, γ = 2) six ways, one after the other
-in one run of this script: plain rollouts and frozen-MTP speculative rollouts (rejection sampling), each
+in one run: plain rollouts and frozen-MTP speculative rollouts (rejection sampling), each
 synchronous (every batch from the current policy) and asynchronous (staleness 1: the next batch
 is sampled while the learner updates), and both asynchronous with tail-aware rollouts
 (`rollout.compact`; the speculative arm with the draft table derived from measured costs and
