@@ -33,7 +33,8 @@ from bebop.rl import grpo, loop, records, rewards
 DRAFT_WINDOW = 4
 # A bucket of the derived draft table changes its γ only for a modelled gain above this. Without
 # it the demo's RL run with compaction (commit 8fdf17a) flipped its 64-row bucket between γ = 0
-# and 1 16 times in 120 steps, a tie redrawn by the drifting acceptance (a new program per new table).
+# and 1 16 times in 120 steps, a tie redrawn by the drifting acceptance (a new program per new
+# table).
 DRAFT_MARGIN = 0.05
 # A derived table that drafts at no bucket gets no new acceptance counts, so it could never draft
 # again, even as an MTP trained during RL (online, joint, growmtp) improves: after this many such
