@@ -33,7 +33,8 @@ def get_config(arg=None):
     # SFT stops half-way up its learning curve (greedy accuracy 44-46 % after 110 steps; 14 %
     # after 80, 80 % after 150), leaving RL room: GRPO at T = 0.7 then gains 11-16 points in 120
     # steps (lr 3e-5; trials: lr 1e-4 loses accuracy while the sampled reward rises, T = 1 gains
-    # 7). The whole demo: 7 min 54 s to 9 min 46 s on 2 cores, by the machine's day (README).
+    # 7). The whole demo: 7 min 54 s to 9 min 46 s on 2 cores, by the machine's day
+    # (docs/performance.md).
     c.sft.update(steps=110, batch_size=32, eval_samples=512)
     c.sft.optim.update(lr=2e-3, warmup_steps=30, min_lr_ratio=0.05)
     # A worked answer is at most 31 characters + EOS (999+999): 40 leaves room and

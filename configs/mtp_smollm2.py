@@ -22,7 +22,8 @@ def get_config(arg=None):
     c = base(model={}, policy=dict(source="gguf", path=""), stages=("distill", "mtp"))
     # The RL task of `configs/rl_smollm2.py` (1-digit word problems): the MTP is distilled from
     # what RL will sample, at T = 1 although RL samples at 0.7: the T = 1 answers are more
-    # diverse, and an MTP distilled from them scored higher at both temperatures (README).
+    # diverse, and an MTP distilled from them scored higher at both temperatures
+    # (experiments/mtp_recipe/README.md).
     c.task.digits = 1
     c.rollout.update(temperature=1.0, max_new_tokens=96)
     c.distill.update(num_samples=3072, batch_size=64, prompts="task", mixed_fraction=0.25)
@@ -38,7 +39,8 @@ def get_config(arg=None):
         # 2,100 steps (~50 min at ~1.4 s a step, quiet): on the 3,072 answers the held-out RS
         # accept length at T = 1 rose 1.67 / 1.92 / 2.11 / 2.18 / 2.21 at steps 150 / 600 /
         # 1050 / 1500 / 1800 and the training batches' own one flattened at 2.13-2.16 over the
-        # last 600 steps (README). The 16-prompt evaluation's noise is about ±0.1; patience 4
+        # last 600 steps (experiments/mtp_recipe/). The 16-prompt evaluation's noise is about
+        # ±0.1; patience 4
         # (600 steps without a new best) ends a schedule that stopped paying.
         patience=4,
         steps=2100,

@@ -8,7 +8,7 @@ Stages: distill -> mtp (Bebop's pre-RL recipe, `configs/mtp_smollm2.py`, on this
 the RL temperature 0.7) -> rl with the frozen MTP (rejection-sampling verification). The learner
 accumulates gradients over 8-row chunks (`rl.microbatch`): the [rows, S, V] logits of one pass
 over 32 rows took ~19 GB. The recipe's own run distils at T = 1, which scored higher at both
-temperatures (README); to use its MTP (recommended):
+temperatures (experiments/mtp_recipe/README.md); to use its MTP (recommended):
 
     python launch.py --config configs/mtp_smollm2.py --workdir runs/mtp_smollm2
     python launch.py --config configs/rl_smollm2.py --workdir runs/rl_smollm2 \\
@@ -27,7 +27,8 @@ def get_config(arg=None):
     # Tail-aware rollouts with the draft table derived from measured costs: one RL batch (32
     # rows, T = 0.7, 128 tokens) ran 1.11x as fast as compacted plain decoding and 1.37x as fast
     # as the static plain loop, where the static speculative loop ran at 0.73x
-    # (`benchmarks/tail.py --model smollm2 --batch 32`, README). On several processes give
+    # (`benchmarks/tail.py --model smollm2 --batch 32`, docs/performance.md). On several
+    # processes give
     # `rollout.draft_table` explicitly (each process would time its own costs).
     c.rollout.compact = True
     c.rl.update(
