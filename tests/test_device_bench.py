@@ -1,0 +1,101 @@
+"""The GPU check's benchmark pieces: random-weight models at real shapes (`benchmarks/shapes.py`),
+the decode bound's bytes (`benchmarks/decode.py`), `benchmarks/rollout.py --dtype` and its
+predicted speedups at stated acceptances."""
+
+import argparse
+import dataclasses
+import sys
+from pathlib import Path
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
+
+import decode  # noqa: E402
+import rollout  # noqa: E402
+import shapes  # noqa: E402
+
+from bebop import model, sharding  # noqa: E402
+from bebop.checkpoints import hf as hf_ckpt  # noqa: E402
+from bebop.config import MeshConfig, ModelConfig  # noqa: E402
+
+
+def _cfg(dtype):
+    return ModelConfig(
+        vocab_size=23,
+        dim=32,
+        num_layers=2,
+        num_heads=4,
+        num_kv_heads=2,
+        head_dim=8,
+        ffw_dim=48,
+        tie_embeddings=False,
+        dtype=dtype,
+        param_dtype="float32",
+    )
+
+
+@pytest.mark.parametrize("dtype,item", [("bfloat16", 2), ("float32", 4)])
+def test_decode_bound_reads_the_compute_dtype_bytes_of_the_decode_weights(dtype, item):
+    """float32 master parameters, `dtype` compute: the bound's bytes are the decode weights in
+    `dtype` (per layer q/k/v, output, gate/up and down matrices and two norm scales, plus the
+    [D, V] head), counted here from the shape alone, not the parameters' float32 bytes."""
+    cfg = _cfg(dtype)
+    gd, params = model.init(cfg, 0)
+    layers = model.decode_layers(gd, params)
+    d, f, v, dh = 32, 48, 23, 8
+    per_layer = d * (4 + 2 * 2) * dh + 4 * dh * d + 3 * d * f + 2 * d
+    want = item * (2 * per_layer + d * v)
+    step = shapes.decode_step_bytes(layers, cfg, batch=3, context=10)
+    assert step["weights"] == want
+    assert step["embed_rows"] == item * 3 * d
+    assert step["kv"] == item * 2 * 2 * 3 * 2 * dh * 10  # k and v, 2 layers, 3 rows, 2 heads
+    param_bytes = sum(x.nbytes for x in jax.tree.leaves(params))
+    assert param_bytes > want if dtype == "bfloat16" else param_bytes >= want
+    # the bound: batch tokens per step, each step reading those bytes at the given rate
+    total = want + item * 3 * d + step["kv"]
+    assert decode.hbm_bound_tok_s(step, 3, 1e9) == pytest.approx(3 * 1e9 / total)
+
+
+def test_random_shapes_load_through_the_hf_loader():
+    """`random_hf_arrays` has exactly the tensors (names and shapes) the HF loader wants: it
+    refuses a missing, misshapen or extra tensor. The cut shape keeps its first layers."""
+    cfg = shapes.model_config("tiny", layers=1, dtype="float32")
+    assert cfg.num_layers == 1
+    arrays = shapes.random_hf_arrays(cfg)
+    mesh = sharding.make_mesh(MeshConfig(data=1), jax.devices()[:1])
+    loaded = hf_ckpt.load_source(hf_ckpt.ArraySource(arrays, "random"), cfg, mesh)
+    emb = np.asarray(loaded.params["embed"].get_value())
+    np.testing.assert_array_equal(emb, arrays["model.embed_tokens.weight"])
+    assert abs(float(emb.std()) - 0.02) < 0.002  # 65k values of N(0, 0.02²): std within 10 %
+    with pytest.raises(ValueError, match="layers"):
+        shapes.model_config("smollm2", layers=31)
+    with pytest.raises(ValueError, match="unknown"):
+        shapes.model_config("gpt5")
+
+
+def test_rollout_dtype_sets_the_policy_compute_dtype():
+    args = argparse.Namespace(
+        model="random", shape="tiny", layers=1, dtype="bfloat16", num_prompts=3, mtp_ckpt=""
+    )
+    mesh = sharding.make_mesh(MeshConfig(data=1), jax.devices()[:1])
+    pol, mtp, vocab, tok, ids, _ = rollout.load_models(args, mesh)
+    assert model.graphdef_config(*pol).dtype == "bfloat16"
+    assert {x.dtype for x in jax.tree.leaves(model.decode_layers(*pol))} == {jnp.dtype("bfloat16")}
+    assert len(ids) == 3 and vocab is None and tok.eos_ids == (-1,)
+    cfg = argparse.Namespace(model=_cfg("float32"))
+    run_cfg = dataclasses.make_dataclass("R", [("model", ModelConfig)])(_cfg("float32"))
+    assert rollout.with_dtype(run_cfg, "bfloat16").model.dtype == "bfloat16"
+    assert rollout.with_dtype(cfg, "") is cfg
+
+
+def test_predicted_speedup_at_a_stated_acceptance():
+    """γ = 2, α = 0.5: 1 + 0.5 + 0.25 = 1.75 tokens per cycle; a cycle is a 3-token verify (0.15
+    s) and two drafts (0.025 s each) = 0.2 s against a 0.1 s plain step: 1.75 x 0.1 / 0.2."""
+    costs = {"verify_1": 0.1, "verify_3": 0.15, "draft": 0.025}
+    got = rollout.predicted_at([0.5, 1.0], 2, costs)
+    assert got["0.5"] == pytest.approx(0.875)
+    assert got["1"] == pytest.approx(3 * 0.1 / 0.2)
