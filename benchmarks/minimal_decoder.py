@@ -16,16 +16,16 @@ import functools
 
 import jax
 import jax.numpy as jnp
-import numpy as np
 
 
 def from_hf_arrays(arrays: dict, cfg) -> dict:
-    """HF-named `[out, in]` float32 numpy arrays -> per-layer `[in, out]` jax arrays (moved to
-    the device, then cast and transposed there: fast at billions of parameters)."""
+    """HF-named `[out, in]` float32 arrays (numpy, or jax arrays already on the device) ->
+    per-layer `[in, out]` jax arrays, cast and transposed on the device (fast at billions of
+    parameters)."""
     dt = jnp.float32 if cfg.dtype == "float32" else jnp.bfloat16
 
     def put(x, transpose=False):
-        y = jnp.asarray(np.asarray(x, np.float32)).astype(dt)
+        y = jnp.asarray(x, jnp.float32).astype(dt)
         return y.T if transpose else y
 
     layers = []

@@ -70,7 +70,6 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from bebop import config as config_lib  # noqa: E402
 from bebop import model, prompts, sampling, sharding, spec_compacted, speculative  # noqa: E402
 from bebop import mtp as mtp_lib  # noqa: E402
-from bebop.checkpoints import hf as hf_ckpt  # noqa: E402
 
 REPO = Path(__file__).resolve().parents[1]
 COST_ITERS = 16  # iterations of each verify/draft cost loop
@@ -116,11 +115,9 @@ def load_models(args, mesh):
         import shapes
 
         pcfg = shapes.model_config(args.shape, args.layers, args.dtype or "float32")
-        src = hf_ckpt.ArraySource(shapes.random_hf_arrays(pcfg), f"random {args.shape}")
-        loaded = hf_ckpt.load_source(src, pcfg, mesh)
+        pol = shapes.random_params(pcfg)  # drawn on the device
         mtp_gd, mtp_params = mtp_lib.init(pcfg, 1, seed=0)
         ids = shapes.random_prompts(pcfg, args.num_prompts)
-        pol = (loaded.graphdef, loaded.params)
         return pol, (mtp_gd, mtp_params), None, shapes.RandomTokenizer(), ids, "random init"
     from bebop import policies
 

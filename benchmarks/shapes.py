@@ -2,16 +2,16 @@
 needed), and the bytes a decode step reads.
 
     cfg = model_config("qwen3_8b", layers=4, dtype="bfloat16")
-    arrays = random_hf_arrays(cfg)               # HF-named float32 numpy arrays
+    graphdef, params = random_params(cfg)        # on the device
+    arrays = hf_arrays(params)                   # HF-named, for benchmarks/minimal_decoder.py
     step = decode_step_bytes(layers, cfg, batch=8, context=96)
 
 Shapes (`SHAPES`): SmolLM2-135M's (30 layers, width 576, MLP 1536, 9 query / 3 KV heads of 64,
 vocabulary 49152, tied head); Qwen3-8B's widths (4096, MLP 12288, 32 / 8 heads of 128,
 vocabulary 151936, separate head; its 36 layers, or the first `layers` of them) as a
 Llama-architecture model (no q/k norms: `benchmarks/minimal_decoder.py` decodes the same
-weights); `tiny`, for dry runs on a CPU. Weights are a 2^20-value random block (N(0, 0.02²))
-repeated over each tensor at a per-tensor offset: fast to build at billions of parameters, and
-the same bytes move through the same kernels as a trained model's (outputs are noise).
+weights); `tiny`, for dry runs on a CPU. Weights (N(0, 0.02²), norm scales 1) are drawn on the
+device: the same bytes move through the same kernels as a trained model's (outputs are noise).
 """
 
 from __future__ import annotations
@@ -61,7 +61,6 @@ SHAPES = {
         tie_embeddings=False,
     ),
 }
-BLOCK = 1 << 20  # values in the random block each tensor repeats
 
 
 def model_config(shape: str, layers: int = 0, dtype: str = "bfloat16") -> ModelConfig:
@@ -77,27 +76,40 @@ def model_config(shape: str, layers: int = 0, dtype: str = "bfloat16") -> ModelC
     return cfg
 
 
-def random_hf_arrays(cfg: ModelConfig, seed: int = 0, std: float = 0.02) -> dict:
-    """HF-named float32 arrays of a random `cfg` model (the names and shapes bebop's HF loader
-    reads): norm scales 1, every other tensor the random block repeated from its own offset."""
+def random_params(cfg: ModelConfig, seed: int = 0, std: float = 0.02):
+    """(graphdef, params) of a random `cfg` policy, drawn on the default device (seconds at
+    billions of parameters, where drawing them in numpy on the host took minutes): weights
+    N(0, std²) in `cfg.param_dtype`, norm scales 1."""
+    import jax
+    import jax.numpy as jnp
+
     from bebop import model
+
+    graphdef, abstract = model.abstract(cfg)
+    key = jax.random.key(seed)
+    count = [0]
+
+    def draw(path, x):
+        if "scale" in jax.tree_util.keystr(path):
+            return jnp.ones(x.shape, x.dtype)
+        count[0] += 1
+        k = jax.random.fold_in(key, count[0])
+        return (std * jax.random.normal(k, x.shape, jnp.float32)).astype(x.dtype)
+
+    return graphdef, jax.tree_util.tree_map_with_path(draw, abstract)
+
+
+def hf_arrays(params) -> dict:
+    """HF-named arrays (the names and layouts bebop's HF loader reads) of bebop `params`, made on
+    the device holding them (`names.to_hf`'s transposes and reshapes)."""
     from bebop.checkpoints import hf, names
 
-    block = std * np.random.default_rng(seed).standard_normal(BLOCK, dtype=np.float32)
-    _, abstract = model.abstract(cfg)
     out = {}
-    for path, var in hf._paths(abstract):
-        shape = var.get_value().shape
-        stacked = path.startswith("layers.")
-        inner = shape[1:] if stacked else shape
-        for i in range(shape[0]) if stacked else [None]:
+    for path, var in hf._paths(params):
+        x = var.get_value()
+        for i in range(x.shape[0]) if path.startswith("layers.") else [None]:
             name, kind = hf._policy_name(path, i)
-            hf_shape = names.hf_shape(kind, inner)
-            if path.endswith("scale"):
-                out[name] = np.ones(hf_shape, np.float32)
-            else:
-                start = (7919 * len(out)) % BLOCK
-                out[name] = np.resize(np.roll(block, -start), hf_shape)
+            out[name] = names.to_hf(kind, x if i is None else x[i])
     return out
 
 

@@ -60,21 +60,44 @@ def test_decode_bound_reads_the_compute_dtype_bytes_of_the_decode_weights(dtype,
     assert decode.hbm_bound_tok_s(step, 3, 1e9) == pytest.approx(3 * 1e9 / total)
 
 
-def test_random_shapes_load_through_the_hf_loader():
-    """`random_hf_arrays` has exactly the tensors (names and shapes) the HF loader wants: it
-    refuses a missing, misshapen or extra tensor. The cut shape keeps its first layers."""
+def test_random_model_round_trips_through_the_hf_loader():
+    """`hf_arrays` of a random model has exactly the tensors (names, shapes, layouts) the HF
+    loader reads: it refuses a missing, misshapen or extra tensor, and loading them back gives
+    the same parameters. Weights: 65k draws of N(0, 0.02²), std within 10 %; norm scales 1."""
     cfg = shapes.model_config("tiny", layers=1, dtype="float32")
     assert cfg.num_layers == 1
-    arrays = shapes.random_hf_arrays(cfg)
+    gd, params = shapes.random_params(cfg)
+    arrays = {k: np.asarray(v) for k, v in shapes.hf_arrays(params).items()}
     mesh = sharding.make_mesh(MeshConfig(data=1), jax.devices()[:1])
     loaded = hf_ckpt.load_source(hf_ckpt.ArraySource(arrays, "random"), cfg, mesh)
-    emb = np.asarray(loaded.params["embed"].get_value())
-    np.testing.assert_array_equal(emb, arrays["model.embed_tokens.weight"])
-    assert abs(float(emb.std()) - 0.02) < 0.002  # 65k values of N(0, 0.02²): std within 10 %
+    for a, b in zip(jax.tree.leaves(loaded.params), jax.tree.leaves(params), strict=True):
+        np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+    emb = arrays["model.embed_tokens.weight"]
+    assert emb.shape == (256, 64) and abs(float(emb.std()) - 0.02) < 0.002
+    np.testing.assert_array_equal(arrays["model.layers.0.input_layernorm.weight"], np.ones(64))
     with pytest.raises(ValueError, match="layers"):
         shapes.model_config("smollm2", layers=31)
     with pytest.raises(ValueError, match="unknown"):
         shapes.model_config("gpt5")
+
+
+def test_minimal_decoder_decodes_the_random_model_as_bebop_does():
+    """float32, greedy, 6 new tokens at batch 2 on the same random weights: the minimal decoder
+    (its own code) and bebop's sampler emit the same tokens, so the yardstick reads the same
+    weights in the same layout."""
+    import minimal_decoder
+
+    from bebop import sampling
+
+    cfg = dataclasses.replace(shapes.model_config("tiny", dtype="float32"), init_std=0.02)
+    gd, params = shapes.random_params(cfg, seed=1, std=0.2)  # std 0.2: clear argmax margins
+    ids = shapes.random_prompts(cfg, 1, lo=8, hi=8)[0]
+    mini = minimal_decoder.from_hf_arrays(shapes.hf_arrays(params), cfg)
+    want = np.asarray(minimal_decoder.generate(mini, cfg, jnp.asarray([ids] * 2, jnp.int32), 6))
+    scfg = sampling.SamplingConfig(temperature=0.0, max_new_tokens=6, eos_ids=(-1,))
+    toks, lens = sampling.pad_prompts([ids] * 2)
+    got = sampling.sample_jit(gd, params, toks, lens, jax.random.key(0), scfg, None).tokens
+    np.testing.assert_array_equal(np.asarray(got)[:, :6], want[:, -6:])
 
 
 def test_rollout_dtype_sets_the_policy_compute_dtype():
