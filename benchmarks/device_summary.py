@@ -54,7 +54,13 @@ def headline(name: str, d: dict) -> dict:
     for prefix, fn in HEADLINES.items():
         if name.startswith(prefix):
             return fn(d)
-    return {k: v for k, v in d.items() if not isinstance(v, (dict, list))}
+    out = {}
+    for k, v in d.items():  # scalars, and the scalars of each dict (e.g. launch.py's stages)
+        if isinstance(v, dict):
+            out[k] = {kk: vv for kk, vv in v.items() if not isinstance(vv, (dict, list))}
+        elif not isinstance(v, list):
+            out[k] = v
+    return out
 
 
 def summarize(out: Path, steps_tsv: str, setup: dict) -> dict:

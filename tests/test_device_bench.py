@@ -122,3 +122,27 @@ def test_predicted_speedup_at_a_stated_acceptance():
     got = rollout.predicted_at([0.5, 1.0], 2, costs)
     assert got["0.5"] == pytest.approx(0.875)
     assert got["1"] == pytest.approx(3 * 0.1 / 0.2)
+
+
+def test_device_summary_reports_cut_skipped_and_silent_steps(tmp_path):
+    """`benchmarks/device.sh`'s summary: a step cut at its limit keeps the figures it printed; a
+    skipped step and a step without a JSON line are errors; a finished one is not."""
+    import json
+
+    import device_summary
+
+    (tmp_path / "decode_a.json").write_text(
+        json.dumps({"model": "m", "bebop_tok_s_b1": 5.0, "bebop_tok_s_b1_greedy": 5.0})
+    )
+    (tmp_path / "runlocal.json").write_text(json.dumps({"sft": {"steps": 2, "x": [1]}}))
+    (tmp_path / "rollout_b.json").write_text("")
+    tsv = "decode_a\t124\t100\t100\nrollout_b\t0\t3\t90\nrunlocal\t0\t40\t90\ne2e\tskipped\t0\t0\n"
+    got = device_summary.summarize(tmp_path, tsv, {"jax": "0.11.2"})
+    assert got["jax"] == "0.11.2"
+    assert got["steps"]["decode_a"]["headline"] == {"model": "m", "bebop_tok_s_b1": 5.0}
+    assert got["steps"]["runlocal"]["headline"] == {"sft": {"steps": 2}}
+    assert got["errors"] == {
+        "decode_a": "cut at its time limit (figures so far kept)",
+        "rollout_b": "no JSON line in its output",
+        "e2e": "no time left",
+    }
