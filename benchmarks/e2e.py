@@ -12,14 +12,15 @@
    after RL; and the speedups plain / speculative.
 
 `--set KEY=VALUE` (repeatable) overrides the config in every run (e.g. fewer steps for a short
-check). After each part the figures so far are printed as one JSON line (a run cut short still
-leaves them); last line: one JSON object.
+check). After each part the figures so far are printed as one JSON line, and on SIGTERM (a time
+limit) those of the stages finished by then (`cut_after_s`); last line: one JSON object.
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import signal
 import sys
 import time
 from pathlib import Path
@@ -63,6 +64,15 @@ def main():
     wd = Path(args.workdir).absolute()
     res = {"config": args.config, "overrides": args.set, "device": jax.devices()[0].device_kind}
     t0 = time.perf_counter()
+
+    def cut(signum, frame):  # cut at a time limit: the stages finished so far, then exit
+        del frame
+        res["cut_after_s"] = time.perf_counter() - t0
+        res.setdefault("pipeline", {s: scalars(wd / s / "summary.json") for s in STAGES})
+        print(json.dumps(res), flush=True)
+        raise SystemExit(128 + signum)
+
+    signal.signal(signal.SIGTERM, cut)
     common.launch(args.config, wd, args.set)
     res["pipeline_wall_s"] = time.perf_counter() - t0
     res["pipeline"] = {s: scalars(wd / s / "summary.json") for s in STAGES}
