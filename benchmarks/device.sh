@@ -17,12 +17,12 @@
 #   rollout_qwen3_8b  the speculative loop's verify / draft / cycle costs there, γ = 3, and the
 #                     rollout speedups the cost model predicts at α = 0.6-0.9           (≤ 100 s)
 #   e2e               the demo pipeline (SFT, distill, MTP, async GRPO) end to end, then its RL
-#                     stage with plain and with speculative rollouts, same seed          (≤ 270 s)
+#                     stage with plain and with speculative rollouts, same seed          (≤ 300 s)
 #   runlocal          launch.py --config configs/qwen3_gpu.py:runlocal (every stage)   (≤ 90 s)
 #   decode_smollm2    the decode comparison at SmolLM2-135M's shape (random weights)   (≤ 100 s)
 #
 #   bash benchmarks/device.sh                          # on the GPU machine, from the repo root
-#   E2E_SET="rl.steps=60" TOTAL_S=400 bash benchmarks/device.sh
+#   E2E_SET="rl.steps=60" E2E_ARMS=plain TOTAL_S=400 bash benchmarks/device.sh   # trimmed
 #   DEVICE_SH_CPU=1 OUT=/tmp/devout bash benchmarks/device.sh   # dry run on a CPU, tiny sizes
 set -uo pipefail
 cd "$(dirname "$0")/.."
@@ -163,7 +163,8 @@ run_step decode_qwen3_8b 150 "${PY}" benchmarks/decode.py --model random "${Q[@]
   --dtype bfloat16 --temps 0 --skip_products "${DEC[@]}"
 run_step rollout_qwen3_8b 100 "${PY}" benchmarks/rollout.py --model random "${Q[@]}" \
   --dtype bfloat16 --costs_only --alphas 0.6,0.7,0.8,0.9 "${ROLL[@]}"
-run_step e2e 270 "${PY}" benchmarks/e2e.py --workdir "${WORK}/e2e" "${E2E[@]}"
+run_step e2e 300 "${PY}" benchmarks/e2e.py --workdir "${WORK}/e2e" "${E2E[@]}" \
+  --arms "${E2E_ARMS:-plain,frozen_rs}"
 # the tiny Qwen3 is built from SmolLM2's tokenizer (its GGUF): carried ready-made in .whl/tiny_hf
 if [ -d .whl/tiny_hf ]; then mkdir -p "${WORK}/runlocal" && cp -r .whl/tiny_hf "${WORK}/runlocal/"; fi
 run_step runlocal 90 "${PY}" launch.py --config configs/qwen3_gpu.py:runlocal \
