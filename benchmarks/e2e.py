@@ -8,8 +8,9 @@
    (`experiments/common.py`'s arms, greedy evaluation only at the end): `plain` rollouts and
    `frozen_rs` (the frozen MTP drafts, rejection sampling: Bebop's recipe), one after the other.
    Per arm (`experiments/e2e_speedup/run.py`'s `timing`): RL time after step 1 (which compiles),
-   median step, rollout time and its share of the RL time, accept length, reward and accuracy
-   after RL; and the speedups plain / speculative.
+   median step, rollout time and its share of the RL time (asynchronous RL samples the next
+   batch while the learner updates, so the share can exceed 1), accept length, reward and
+   accuracy after RL; and the speedups plain / speculative.
 
 `--set KEY=VALUE` (repeatable) overrides the config in every run (e.g. fewer steps for a short
 check). After each part the figures so far are printed as one JSON line, and on SIGTERM (a time
