@@ -99,7 +99,9 @@ class Checkpointer:
                     step, args=ocp.args.Composite(state=state_args, meta=ocp.args.JsonRestore())
                 )
             except Exception as e:  # noqa: BLE001 - any failure means: try an older step
-                log.warning("checkpoint step %d is unreadable (%s); trying an older one", step, e)
+                log.warning(
+                    "checkpoint step %d is unreadable (%s); trying an older one", step, _brief(e)
+                )
                 failed.append((step, e))
                 continue
             for bad, _ in failed:
@@ -107,10 +109,15 @@ class Checkpointer:
             return step, restored["state"], restored["meta"]
         if failed:
             step, e = failed[0]
+            steps = ", ".join(str(s) for s, _ in failed)
+            if not any(_is_mismatch(err) for _, err in failed):
+                raise CheckpointRestoreError(
+                    f"every checkpoint under {self.directory} is damaged (steps {steps} do not "
+                    f"read; newest: {_brief(e)}); restore the files or start a new --workdir"
+                ) from e
             raise CheckpointRestoreError(
                 f"no checkpoint under {self.directory} restores into the current train state "
-                f"(newest, step {step}: {type(e).__name__}: {str(e)[:300]}). If the config "
-                f"changed, use a new --workdir."
+                f"(newest, step {step}: {_brief(e)}). If the config changed, use a new --workdir."
             ) from e
         return None
 
@@ -129,6 +136,54 @@ class Checkpointer:
     def close(self) -> None:
         self.manager.wait_until_finished()
         self.manager.close()
+
+
+def _brief(e: BaseException, limit: int = 240) -> str:
+    """One line of an orbax / TensorStore error (their messages run over many lines)."""
+    text = str(e).split("See full TensorStore details")[0]
+    text = " ".join(text.split())
+    text = text if len(text) <= limit else text[: limit - 3] + "..."
+    return f"{type(e).__name__}: {text}"
+
+
+def _is_mismatch(e: BaseException) -> bool:
+    """Whether a restore failed on the target's structure, shapes or dtypes (the config changed)
+    rather than on reading the files (damage)."""
+    words = ("shape", "structure", "dtype", "not compatible", "missing", "mismatch", "tree")
+    return any(w in str(e).lower() for w in words)
+
+
+def saved_keys(ckpt_dir: Path) -> list[str] | None:
+    """The state keys ("params.embed", ...) of the newest step in `ckpt_dir` as its metadata
+    lists them, or None when there is no readable metadata."""
+    import json
+
+    steps = [p for p in Path(ckpt_dir).glob("*") if p.name.isdigit()] if ckpt_dir else []
+    for step in sorted(steps, key=lambda p: -int(p.name)):
+        try:
+            tree = json.loads((step / "state" / "_METADATA").read_text())["tree_metadata"]
+        except (OSError, ValueError, KeyError, TypeError):
+            continue
+        keys = []
+        for k in tree:
+            parts = [x.strip(" '\"") for x in k.strip("()").split(",") if x.strip()]
+            keys.append(".".join(x for x in parts if x != "value"))
+        return keys
+    return None
+
+
+def describe(keys: list[str] | None) -> str:
+    """What a checkpoint with state `keys` (`saved_keys`) holds, in words."""
+    if keys is None:
+        return "no readable checkpoint"
+    top = sorted({k.split(".")[0] for k in keys})
+    if "policy" in top and "mtp" in top:
+        return "an rl stage checkpoint (policy and MTP train states)"
+    if any(k.startswith("params.embed") for k in keys):
+        return "a policy checkpoint (params.embed, params.layers: an sft stage's)"
+    if any(".block." in k or k.startswith("params.layers.w_fc") for k in keys):
+        return "an MTP checkpoint"
+    return f"a checkpoint with keys {sorted(keys)[:6]}"
 
 
 def _barriers_off_device() -> None:

@@ -22,9 +22,9 @@ from flax import nnx
 from bebop import model, sharding
 from bebop import mtp as mtp_lib
 from bebop.checkpoints import LoadedPolicy
+from bebop.checkpoints.tokenizer_files import read_char_tokenizer
 from bebop.ckpt import restore_params, restore_partial
 from bebop.config import ConfigError, ModelConfig, RunConfig, check_vocab
-from bebop.checkpoints.tokenizer_files import read_char_tokenizer
 from bebop.finite import check_finite
 from bebop.tokenizer import BPETokenizer, CharTokenizer
 
@@ -127,6 +127,31 @@ def shipped_mtp(cfg: RunConfig, policy: LoadedPolicy):
             f"layer(s) ({policy.mtp_format} format) for mtp.init='checkpoint'"
         )
     return policy.mtp
+
+
+def restore_mtp(ckpt_dir: Path, abstract, mesh, key: str):
+    """The MTP params of the checkpoints in `ckpt_dir`, checked finite; a directory that holds
+    something else (an sft or rl checkpoint, another architecture) is a `ConfigError` naming
+    `key`, what the directory holds and what was expected."""
+    from bebop.ckpt import CheckpointRestoreError, describe, saved_keys
+
+    expected = "an MTP checkpoint (an mtp stage's DIR/mtp/ckpt)"
+    try:
+        params = restore_params(ckpt_dir, abstract, mesh)
+    except CheckpointRestoreError as e:
+        raise ConfigError(
+            f"config key '{key}': {ckpt_dir} holds {describe(saved_keys(ckpt_dir))} that does "
+            f"not fit this MTP ({e}); expected {expected} of this policy with mtp.num_layers "
+            "layers"
+        ) from e
+    leaves = jax.tree.leaves(params)
+    if not leaves or not all(isinstance(x, jax.Array) for x in leaves):  # keys it does not hold
+        raise ConfigError(
+            f"config key '{key}': {ckpt_dir} holds {describe(saved_keys(ckpt_dir))}, "
+            f"expected {expected}"
+        )
+    check_finite(params, f"the MTP in {ckpt_dir}")
+    return params
 
 
 def load_mtp(cfg: RunConfig, ckpt_dir: Path, pol_cfg: ModelConfig, mesh):
