@@ -1,7 +1,6 @@
 """Careless or hostile input: each case ends in a defined outcome or one clear error that names
 the config key, file, record or tensor (never a silently wrong run, a crash dump or a hang)."""
 
-import dataclasses
 import json
 
 import jax
@@ -12,8 +11,8 @@ import pytest
 from bebop import config as config_lib
 from bebop import model, policies, sharding, tasks
 from bebop import mtp as mtp_lib
-from bebop.ckpt import Checkpointer
 from bebop.checkpoints.tokenizer_files import write_tokenizer
+from bebop.ckpt import Checkpointer
 from bebop.config import ConfigError, MeshConfig, RunConfig, TaskConfig
 from bebop.finite import NonFiniteWeightsError
 from bebop.io import DamagedFileError
