@@ -401,6 +401,11 @@ class RLConfig:
     # Rows per gradient-accumulation chunk of the policy update (0 = the whole batch at once):
     # bounds the learner's [rows, S, V] logits, e.g. 32 x 200 x 49152 float32 = 1.3 GB each.
     microbatch: int = 0
+    # Draft-collapse guard (bebop/rl/guards.py; 0 = off): a batch whose accept rate is below this
+    # fraction of its running level warns naming the policy and MTP versions, or with
+    # draft_collapse_action='error' stops the run.
+    draft_collapse_ratio: float = 0.25
+    draft_collapse_action: str = "warn"  # warn | error
     optim: OptimConfig = OptimConfig(lr=2e-5, warmup_steps=0, schedule="constant", grad_clip=1.0)
     mtp_optim: OptimConfig = OptimConfig(lr=3e-4, warmup_steps=10, schedule="cosine")
 
@@ -432,6 +437,9 @@ class RLConfig:
             f"must be 0 (off) or divide the batch's prompts_per_step x group_size = {rows} rows",
         )
         _require(self.draft_log_rows >= 0, p + "draft_log_rows", "must be >= 0 (0 = off)")
+        r, a = self.draft_collapse_ratio, self.draft_collapse_action
+        _require(0 <= r < 1, p + "draft_collapse_ratio", f"must be in [0, 1) (0 = off), got {r}")
+        _require(a in ("warn", "error"), p + "draft_collapse_action", f"warn | error, not {a!r}")
         strategies = ("frozen", "online", "joint", "growmtp")
         _require(self.mtp_strategy in strategies, p + "mtp_strategy", f"one of {strategies}")
         losses = ("ce", "kl", "reverse_kl", "tv", "e2e_tv", "e2e_tv_partial", "dca")
