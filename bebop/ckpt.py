@@ -94,6 +94,11 @@ class Checkpointer:
             state_args = ocp.args.StandardRestore(target)
         failed = []
         for step in sorted(self.manager.all_steps(), reverse=True):
+            mismatch = _mismatch(self.directory / str(step) / "state", target, partial)
+            if mismatch is not None:  # found from the metadata: no array read is started
+                log.warning("checkpoint step %d does not fit: %s", step, mismatch)
+                failed.append((step, ValueError(mismatch)))
+                continue
             try:
                 restored = self.manager.restore(
                     step, args=ocp.args.Composite(state=state_args, meta=ocp.args.JsonRestore())
@@ -138,6 +143,46 @@ class Checkpointer:
         self.manager.close()
 
 
+def _path_name(path) -> str:
+    keys = [getattr(k, "key", getattr(k, "name", getattr(k, "idx", k))) for k in path]
+    return ".".join(str(k) for k in keys if k != "value")
+
+
+def _mismatch(state_dir: Path, target, partial: bool) -> str | None:
+    """How `target` (ShapeDtypeStructs) does not fit the arrays saved in `state_dir`, from its
+    metadata alone: the first tensor missing or of another shape (None: it fits, or the metadata
+    is unreadable and the restore itself decides). Restoring a mismatch starts array reads that
+    orbax abandons, whose callbacks then print "Event loop is closed" tracebacks."""
+    try:
+        meta = ocp.StandardCheckpointHandler().metadata(state_dir)
+    except Exception:  # noqa: BLE001 - damaged metadata: the restore reports it
+        return None
+    tree = getattr(getattr(meta, "item_metadata", meta), "tree", None)
+    if tree is None:
+        return None
+    saved = {
+        _path_name(p): tuple(x.shape)
+        for p, x in jax.tree_util.tree_flatten_with_path(tree)[0]
+        if getattr(x, "shape", None) is not None
+    }
+    wanted = {
+        _path_name(p): tuple(x.shape)
+        for p, x in jax.tree_util.tree_flatten_with_path(target)[0]
+        if getattr(x, "shape", None) is not None
+    }
+    for name, shape in wanted.items():
+        if name not in saved:
+            return f"tensor {name!r} is not in the checkpoint (structure mismatch)"
+        if saved[name] != shape:
+            return f"tensor {name!r} has shape {saved[name]}, expected {shape} (shape mismatch)"
+    extra = sorted(set(saved) - set(wanted))
+    if extra and not partial:
+        return (
+            f"the checkpoint holds tensors the state lacks, e.g. {extra[0]!r} (structure mismatch)"
+        )
+    return None
+
+
 def _brief(e: BaseException, limit: int = 240) -> str:
     """One line of an orbax / TensorStore error (their messages run over many lines)."""
     text = str(e).split("See full TensorStore details")[0]
@@ -150,7 +195,7 @@ def _is_mismatch(e: BaseException) -> bool:
     """Whether a restore failed on the target's structure, shapes or dtypes (the config changed)
     rather than on reading the files (damage)."""
     words = ("shape", "structure", "dtype", "not compatible", "missing", "mismatch", "tree")
-    return any(w in str(e).lower() for w in words)
+    return any(w in _brief(e, 10_000).lower() for w in words)  # not TensorStore's spec dump
 
 
 def saved_keys(ckpt_dir: Path) -> list[str] | None:

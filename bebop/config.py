@@ -204,9 +204,12 @@ class DistributedConfig:
     num_processes: int = 1
     process_id: int = 0
     auto: bool = False
+    # Seconds a process waits for the coordinator (and JAX for every process to join) before
+    # the launch fails with an error naming the address
+    init_timeout_s: int = 300
 
     def validate(self, p: str = "distributed.") -> None:
-        _positive(self, p, "num_processes")
+        _positive(self, p, "num_processes", "init_timeout_s")
         _require(
             self.num_processes == 1 or bool(self.coordinator_address),
             p + "coordinator_address",

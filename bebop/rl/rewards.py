@@ -182,6 +182,16 @@ _POOL = RewardPool()
 atexit.register(_POOL.terminate)
 
 
+def shutdown() -> None:
+    """Ends the shared pool's workers and frees its semaphores now: for an exit through
+    `os._exit` (launch.py), which skips the interpreter's clean-up, where multiprocessing's
+    resource tracker would report them leaked."""
+    import gc
+
+    _POOL.terminate()
+    gc.collect()  # the pool's queues and locks: their finalizers unlink the semaphores
+
+
 def _failure(e: BaseException) -> RewardError:
     msg = f"reward function failed: {type(e).__name__}: {e}"
     if "pickle" in str(e).lower():
