@@ -15,14 +15,14 @@ import numpy as np
 import pytest
 
 from bebop import config as config_lib
-from bebop import model, policies, sharding, tasks
+from bebop import model, policies, sampling, sharding, tasks
 from bebop import mtp as mtp_lib
 from bebop.checkpoints.tokenizer_files import write_tokenizer
 from bebop.ckpt import Checkpointer, CheckpointRestoreError, restore_params
-from bebop.config import ConfigError, MeshConfig, RunConfig, TaskConfig
+from bebop.config import ConfigError, MeshConfig, ModelConfig, RunConfig, TaskConfig
 from bebop.finite import NonFiniteWeightsError
 from bebop.io import DamagedFileError
-from bebop.rl import rewards
+from bebop.rl import grpo, rewards
 from bebop.tokenizer import CharTokenizer
 
 from . import hostile_fns
@@ -354,3 +354,44 @@ def test_reward_prints_are_bounded_and_no_semaphore_is_reported_leaked(tmp_path)
     out = res.stdout + res.stderr
     assert len(out) < 10_000, len(out)  # the reward printed 2 MB
     assert "leaked semaphore" not in res.stderr
+
+
+# ---------------------------------------------------------------------- 13: bf16 truncated support
+
+
+@pytest.mark.parametrize(
+    "scfg",
+    [
+        sampling.SamplingConfig(top_k=20, max_new_tokens=64, eos_ids=(-1,)),
+        sampling.SamplingConfig(top_p=0.9, max_new_tokens=64, eos_ids=(-1,)),
+    ],
+    ids=["top_k20", "top_p0.9"],
+)
+def test_a_bf16_learner_keeps_every_drawn_token_in_its_truncated_support(scfg):
+    """A random dim-128 policy in bf16, 32 rows x 64 sampled tokens (2,048) under top-k 20 or
+    top-p 0.9: the learner's log-prob of every drawn token is finite (a token the learner's
+    recomputed support dropped had -inf: ratio 0, no gradient), and close to the sampler's (median
+    gap < 0.05, max < 1: bf16 rounding of a different computation, forward vs cached decode)."""
+    cfg = ModelConfig(
+        vocab_size=256,
+        dim=128,
+        num_layers=2,
+        num_heads=4,
+        num_kv_heads=2,
+        head_dim=32,
+        ffw_dim=256,
+        dtype="bfloat16",
+        init_std=0.3,
+    )
+    gd, params = model.init(cfg, 0)
+    prompts = [[1 + (i % 7), 2 + (i % 5), 3 + i] for i in range(32)]
+    toks, lens = sampling.pad_prompts(prompts)
+    out = jax.device_get(sampling.sample_jit(gd, params, toks, lens, jax.random.key(0), scfg))
+    p = 3  # every prompt's length: the responses follow at 3 ..
+    tokens = np.concatenate([toks[:, :p], out.tokens], axis=1).astype(np.int32)
+    assert (lens == p).all() and (out.lengths == scfg.max_new_tokens).all()
+    logp, _ = jax.jit(grpo.token_logprobs, static_argnums=(0, 3))(gd, params, tokens, scfg)
+    learner = np.asarray(logp)[:, p:]
+    assert np.isfinite(learner).all(), f"{(~np.isfinite(learner)).sum()} of 2048 tokens at -inf"
+    gap = np.abs(learner - out.logprobs)
+    assert np.median(gap) < 0.05 and gap.max() < 1.0, (np.median(gap), gap.max())
