@@ -125,7 +125,7 @@ def test_a_gsm8k_record_with_a_wrong_field_type_is_named(tmp_path, record, compl
     "override, key",
     [
         ("rl.clip_high=1e309", "rl.clip_high"),
-        ("rollout.temperature=-1e309", "rollout.temperature"),
+        ("rl.kl_coef=1e309", "rl.kl_coef"),
         ("rl.optim.b1=2.0", "rl.optim.b1"),
         ("sft.optim.b2=-1.0", "sft.optim.b2"),
         ("mtp.optim.b2=1.0", "mtp.optim.b2"),
