@@ -2,6 +2,7 @@
 rollouts whose MTP weights are swapped mid-run for weights that do not belong to the policy are
 reported naming both versions, or stop the run; healthy batches never are."""
 
+import dataclasses
 import logging
 
 import jax
@@ -12,6 +13,7 @@ from bebop import sampling, speculative
 from bebop.config import ConfigError, ModelConfig
 from bebop.rl.guards import DraftCollapseError, DraftCollapseGuard
 from bebop.speculative import SpecConfig
+from bebop.tokenizer import CharTokenizer
 
 from .conftest import REPO
 from .helpers import bigram_policy_and_copy_mtp
@@ -85,3 +87,53 @@ def test_the_config_keys_are_checked():
         config_lib.load(demo, ["rl.draft_collapse_action='stop'"])
     with pytest.raises(ConfigError, match=r"'rl\.draft_collapse_ratio'"):
         config_lib.load(demo, ["rl.draft_collapse_ratio=1.5"])
+
+
+@pytest.mark.slow  # a whole rl stage (~30 s on 2 cores)
+def test_the_rl_stage_stops_when_mismatched_mtp_weights_are_loaded_mid_run(tmp_path):
+    """The rl stage end to end (sync, 6 steps of 2 x 2 rows) on a bigram policy whose MTP copies
+    it (acceptance 1); from batch 3 on the rollouts draft with another policy's MTP (MTP version
+    1), as a broken weight sync would: with `rl.draft_collapse_action='error'` the run stops at
+    step 3 naming the versions."""
+    from bebop import rollout
+    from bebop.rl import stage as rl_stage
+
+    from .test_hostile import _mesh, _save_params
+
+    # the demo's character tokenizer's vocabulary
+    model_cfg = dataclasses.replace(CFG, vocab_size=CharTokenizer().vocab_size)
+    (pg, pp), (mg, mp) = bigram_policy_and_copy_mtp(model_cfg, 0)
+    _, (_, other) = bigram_policy_and_copy_mtp(model_cfg, 7)
+    _save_params(tmp_path / "sft" / "ckpt", pp)
+    _save_params(tmp_path / "mtp" / "ckpt", mp)
+    m = dataclasses.replace(model_cfg, num_layers=1, init_std=0.5, norm_eps=1e-12)  # the helper's
+    overrides = [
+        "stages=('rl',)",
+        *(f"model.{f.name}={getattr(m, f.name)!r}" for f in dataclasses.fields(m)),
+        "mtp.num_layers=1",
+        "rl.steps=6",
+        "rl.prompts_per_step=2",
+        "rl.group_size=2",
+        "rl.max_staleness=0",
+        "rl.eval_samples=2",
+        "rl.speedup_repeats=0",
+        "rl.mtp_strategy='frozen'",
+        "rl.draft_collapse_action='error'",
+        "rollout.temperature=1.0",
+        "rollout.top_p=1.0",
+        "rollout.top_k=0",
+        "rollout.num_draft=2",
+        "rollout.max_new_tokens=12",
+        "rollout.compact=False",
+        "ckpt.every=100",
+    ]
+    cfg = config_lib.load(str(REPO / "configs" / "demo.py:runlocal"), overrides)[0]
+
+    class Swapped(rollout.Rollouts):
+        def __call__(self, i, version, pol_params, mtp_params, mtp_version):
+            if i >= 3:  # mismatched MTP weights arrive with the next sync
+                mtp_params, mtp_version = jax.device_put(other), mtp_version + 1
+            return super().__call__(i, version, pol_params, mtp_params, mtp_version)
+
+    with pytest.raises(DraftCollapseError, match=r"step 3: .*policy version 3 and MTP version 1"):
+        rl_stage.run(cfg, tmp_path, _mesh(), make_rollouts=Swapped)
