@@ -223,6 +223,7 @@ def _known_errors() -> tuple[type, ...]:
     from bebop.ckpt import CheckpointRestoreError
     from bebop.io import DamagedFileError
     from bebop.pipeline import WorkdirLocked
+    from bebop.rl.guards import DraftCollapseError
     from bebop.tokenizer import TokenizerError
     from bebop.train import NonFiniteError
 
@@ -234,6 +235,7 @@ def _known_errors() -> tuple[type, ...]:
         CheckpointError,
         TokenizerError,
         FileNotFoundError,
+        DraftCollapseError,
     )
 
 
