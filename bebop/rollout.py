@@ -56,7 +56,8 @@ def sampling_config(cfg: RunConfig, tok, max_new_tokens: int | None = None):
 
 
 def in_process_score(reward_fn, texts, problems) -> list[float]:
-    return [float(reward_fn(t, p)) for t, p in zip(texts, problems, strict=True)]
+    pairs = zip(texts, problems, strict=True)
+    return [rewards.check_value(reward_fn(t, p), reward_fn) for t, p in pairs]
 
 
 def reward_scorer(rl: RLConfig):

@@ -62,7 +62,10 @@ def token_logprobs(graphdef, params, tokens_BxS, scfg: SamplingConfig):
 
 
 def _token_stats(logits_BxTxV, tokens_BxS, scfg):
-    logp_all = sampling.stats_logprobs(logits_BxTxV, scfg)
+    # The support is the sampler's truncation recomputed from the learner's logits, with the
+    # drawn tokens kept in it: the rollout drew them, so they were in its support, and logits
+    # that differ by rounding (bf16) must not move one out (-inf: ratio 0, no gradient).
+    logp_all = sampling.stats_logprobs(logits_BxTxV, scfg, keep_B=tokens_BxS[:, 1:])
     ent = jax.lax.stop_gradient(sampling.entropy(logp_all))
     pad = jnp.zeros_like(tokens_BxS[:, :1], jnp.float32)
     return _at_tokens(logp_all, tokens_BxS), jnp.concatenate([pad, ent], 1)

@@ -42,7 +42,7 @@ from bebop.ckpt import Checkpointer, CheckpointRestoreError
 from bebop.config import RunConfig
 from bebop.fit import Interrupted, Preempted, preempted
 from bebop.metrics import MetricsWriter, Progress, Timer
-from bebop.rl import learner, loop, records
+from bebop.rl import guards, learner, loop, records
 from bebop.train import TrainState, make_optimizer, schedule
 
 log = logging.getLogger(__name__)
@@ -196,6 +196,7 @@ def run(
     worker.start()
 
     save_due = False
+    collapse = guards.DraftCollapseGuard(rl.draft_collapse_ratio, rl.draft_collapse_action)
     bar = Progress(rl.steps, start, "rl")
     t_start = time.perf_counter()
     try:
@@ -206,6 +207,9 @@ def run(
             with split("wait_s"):
                 batch = loop.next_batch(q, step, versions["policy"], rl.max_staleness)
             loop.check_agreement(step, batch, versions["policy"])
+            if cfg.rollout.mode != "plain":
+                rate = batch.stats.get("accept_rate")
+                collapse.update(step, rate, batch.policy_version, batch.mtp_version)
             dev = batch.place(mesh)
             pol_state, mtp_state, m, mtp_updated = strategy(
                 learn, split, pol_state, mtp_state, dev, batch.policy_version, step
