@@ -101,7 +101,7 @@ class Rollouts:
     `rollouts(i, policy_version, pol_params, mtp_params, mtp_version)`.
 
     The default draft table (speculative mode, `rollout.compact` on, `rollout.draft_table`
-    empty): the first rollout drafts `rollout.num_draft` at every bucket size; after each
+    empty; not for GrowMTP, which drafts `num_draft` at every bucket): the first rollout drafts `rollout.num_draft` at every bucket size; after each
     rollout, each bucket size b gets the γ in 0 .. `num_draft` with the most expected tokens per
     second (`compaction.draft_table`): E_γ = 1 + Σ_{j<=γ} Π_{i<=j} α_i tokens per cycle of
     t_verify(b, γ+1) + γ t_draft(b) seconds, against 1 token per t_verify(b, 1) for γ = 0; a
@@ -164,9 +164,12 @@ class Rollouts:
         self.spec = None
         if r.mode != "plain":
             self.spec = speculative.SpecConfig(r.num_draft, r.mode, record=record)
-        # The draft table: `rollout.draft_table`, or derived (see the class docstring).
+        # The draft table: `rollout.draft_table`, or derived (see the class docstring). GrowMTP
+        # drafts `num_draft` at every bucket: its DCA trains the steps its cycles drafted (a
+        # γ = 0 bucket records 1-token cycles), and a new head would be derived γ = 0 throughout.
         self.table, self.acceptance, self.draft_costs = r.draft_table, None, draft_costs
-        if self.spec is not None and r.compact and not r.draft_table:
+        grow = cfg.rl.mtp_strategy == "growmtp"
+        if self.spec is not None and r.compact and not r.draft_table and not grow:
             if jax.process_count() > 1 and draft_costs is None:
                 # each process would time its own costs and could pick another table (program)
                 raise ConfigError(
