@@ -101,18 +101,19 @@ class Rollouts:
     `rollouts(i, policy_version, pol_params, mtp_params, mtp_version)`.
 
     The default draft table (speculative mode, `rollout.compact` on, `rollout.draft_table`
-    empty; not for GrowMTP, which drafts `num_draft` at every bucket): the first rollout drafts `rollout.num_draft` at every bucket size; after each
-    rollout, each bucket size b gets the γ in 0 .. `num_draft` with the most expected tokens per
-    second (`compaction.draft_table`): E_γ = 1 + Σ_{j<=γ} Π_{i<=j} α_i tokens per cycle of
-    t_verify(b, γ+1) + γ t_draft(b) seconds, against 1 token per t_verify(b, 1) for γ = 0; a
-    bucket keeps its γ unless another is more than `DRAFT_MARGIN` faster, and a table drafting
-    nowhere is probed at `num_draft` every `DRAFT_PROBE_EVERY` rollouts. α_i
-    is the acceptance of draft position i over the last `DRAFT_WINDOW` rollouts (accepted /
-    attempted, all rows pooled: `compaction.RunningAcceptance`); the costs are `draft_costs`
-    (`spec_compacted.bucket_costs`' layout), or measured once, after the first rollout, at its
-    prompt width plus half the token budget. The stats carry `draft_table` when it changes.
-    Not part of a checkpoint: a resumed run starts again from `num_draft` and re-measures (its
-    samples can differ from the uninterrupted run's; each is lossless).
+    empty; not for GrowMTP, which drafts `num_draft` at every bucket): the first rollout drafts
+    `rollout.num_draft` at every bucket size; after each rollout, each bucket size b gets the γ
+    in 0 .. `num_draft` with the most expected tokens per second (`compaction.draft_table`): E_γ
+    = 1 + Σ_{j<=γ} Π_{i<=j} α_i tokens per cycle of t_verify(b, γ+1) + γ t_draft(b) seconds,
+    against 1 token per t_verify(b, 1) for γ = 0; a bucket keeps its γ unless another is more
+    than `DRAFT_MARGIN` faster, and a table drafting nowhere is probed at `num_draft` every
+    `DRAFT_PROBE_EVERY` rollouts. α_i is the acceptance of draft position i over the last
+    `DRAFT_WINDOW` rollouts (accepted / attempted, all rows pooled:
+    `compaction.RunningAcceptance`); the costs are `draft_costs` (`spec_compacted.bucket_costs`'
+    layout), or measured once, after the first rollout, at its prompt width plus half the token
+    budget. The stats carry `draft_table` when it changes. Not part of a checkpoint: a resumed
+    run starts again from `num_draft` and re-measures (its samples can differ from the
+    uninterrupted run's; each is lossless).
 
     A batch's rows come in GRPO groups (`prompts`), so where the batch is host arrays (no mesh
     to spread over, or compaction on) the samplers prefill each group's prompt once
