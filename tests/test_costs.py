@@ -155,3 +155,19 @@ def test_projection_cli_labels_itself(capsys):
     arms = last["smollm2"]["arms"]
     assert arms["plain_static_sync"]["rollout_speedup"] == 1.0
     assert arms["spec_static_sync"]["rollout_speedup"] > 1.0
+
+
+def test_rollout_stats_record_the_length_histogram():
+    """What `experiments/e2e_speedup/predict.py` reads the lengths of each step's batch from."""
+    from types import SimpleNamespace
+
+    from bebop.rl import records
+
+    lengths = np.array([3, 5, 2, 8, 8, 0])
+    sample = SimpleNamespace(
+        lengths=lengths, entropy=np.zeros((6, 8)), tokens=np.zeros((6, 8), np.int32)
+    )
+    st = records.rollout_stats(np.zeros(6), 2, sample, None)
+    hist = st["response_len_hist"]
+    assert len(hist) == 9 and hist[8] == 2 and hist[0] == 1 and sum(hist) == 6
+    assert sorted(np.repeat(np.arange(9), hist)) == sorted(lengths)
