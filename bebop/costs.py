@@ -7,7 +7,9 @@ Inputs (all seconds are measured elsewhere, e.g. `spec_compacted.bucket_costs`):
   iteration of the speculative loop, "draft": one MTP draft step} at b rows (the layout of
   `spec_compacted.bucket_costs` and `compaction.draft_table`); optional "setup" and
   "spec_setup" at the full batch (the prefill and first token of the plain / speculative
-  sampler) and "switch" (one compaction: the host round trip, gather and scatter).
+  sampler) and "switch" / "spec_switch" (one compaction: the host round trip, gather and
+  scatter). A measured loop iteration "cycle_{γ}" (a verify cycle of the real loop at γ, e.g.
+  timed with EOS off) replaces `verify_{γ+1} + γ draft` where given.
 * the response lengths of one batch (tokens, EOS included);
 * the per-position acceptance α_1 .. α_γ (α_k: draft k accepted given drafts 1 .. k-1 were);
 * the learner's seconds for the step (e.g. seconds per learner token x the tokens of its
@@ -78,7 +80,9 @@ def _check_costs(costs: Costs, sizes: Sequence[int], gammas: Sequence[int]) -> N
     for b, g in zip(sizes, gammas, strict=True):
         if b not in costs:
             raise KeyError(f"costs: no entry for batch size {b} (have {sorted(costs)})")
-        need = ["step"] + ([f"verify_{g + 1}", "draft"] if g else [])
+        need = ["step"] + (
+            [f"verify_{g + 1}", "draft"] if g and f"cycle_{g}" not in costs[b] else []
+        )
         missing = [k for k in need if k not in costs[b]]
         if missing:
             raise KeyError(f"costs[{b}]: missing {missing} (have {sorted(costs[b])})")
@@ -87,7 +91,11 @@ def _check_costs(costs: Costs, sizes: Sequence[int], gammas: Sequence[int]) -> N
 def iteration_cost(costs: Costs, batch: int, gamma: int) -> float:
     """Seconds of one loop iteration at `batch` rows: a plain step (γ = 0) or a verify cycle."""
     c = costs[batch]
-    return float(c["step"]) if gamma == 0 else float(c[f"verify_{gamma + 1}"] + gamma * c["draft"])
+    if gamma == 0:
+        return float(c["step"])
+    if f"cycle_{gamma}" in c:
+        return float(c[f"cycle_{gamma}"])
+    return float(c[f"verify_{gamma + 1}"] + gamma * c["draft"])
 
 
 def rates(alpha: float | Sequence[float] | None, num_draft: int) -> np.ndarray:
@@ -156,7 +164,7 @@ def rollout_time(
             switches += go
     c = costs[batch]
     setup = float(c.get("spec_setup" if y else "setup", 0.0))
-    switch = float(c.get("switch", 0.0))
+    switch = float(c.get("spec_switch" if y else "switch", c.get("switch", 0.0)))
     loop_s = (iters * cost[None]).sum(1)
     total = loop_s + setup + switches * switch
     return {

@@ -171,3 +171,10 @@ def test_rollout_stats_record_the_length_histogram():
     hist = st["response_len_hist"]
     assert len(hist) == 9 and hist[8] == 2 and hist[0] == 1 and sum(hist) == 6
     assert sorted(np.repeat(np.arange(9), hist)) == sorted(lengths)
+
+
+def test_measured_cycle_replaces_the_component_sum():
+    c = {4: {**COSTS[4], "cycle_2": 3.0}, 2: {"step": 0.6, "cycle_2": 1.0}}
+    # α = 1: 3 cycles at 4 rows (static); tail-aware 1 cycle at 4 rows, a switch, 2 at 2 rows
+    assert C.rollout_time(LENGTHS, c, spec(), 1.0)["seconds"] == pytest.approx(9.0)
+    assert C.rollout_time(LENGTHS, c, spec(True), 1.0)["seconds"] == pytest.approx(3 + 0.1 + 2)

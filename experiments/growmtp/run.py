@@ -10,6 +10,11 @@ each stays at most as slow as plain ("starts paying", or never); the final rollo
 RL stage's timed plain-vs-speculative rollouts of its final weights).
 
     python experiments/growmtp/run.py --base runs/demo
+    python experiments/growmtp/run.py --model smollm2 --base runs/mtp_smollm2
+
+`--model smollm2`: the RL task of `configs/rl_smollm2.py` from one run of the recipe's MTP
+(`common.MODELS`; its static arms with `rollout.compact=False`), arms in
+`runs/exp_rl_speed_smollm2/`, results in `results_smollm2.json`, figures `*_smollm2.png`.
 
 Arms land in `runs/exp_rl_speed/<arm>/` (shared with `experiments/e2e_speedup`: run both on an
 otherwise idle machine, their wall times are compared); figures and `results.json` next to this
@@ -86,10 +91,11 @@ def row(res: common.ArmResult, plain: common.ArmResult, window: int) -> dict:
     }
 
 
-def figures(results: dict[str, common.ArmResult], window: int) -> None:
-    setting = f"demo GRPO, T = 0.7, γ = 2, 128 rows/step; running mean of {window} steps"
+def figures(results: dict[str, common.ArmResult], window: int, model: str = "demo") -> None:
+    setting = f"{common.MODELS[model].setting}; running mean of {window} steps"
+    suffix = "" if model == "demo" else f"_{model}"
     plots.lines(
-        HERE / "accept_len.png",
+        HERE / f"accept_len{suffix}.png",
         {results[n].arm.label: common.smoothed(results[n], "accept_len", window) for n in SPEC},
         "RL step",
         "accept length (tokens per verify)",
@@ -101,7 +107,7 @@ def figures(results: dict[str, common.ArmResult], window: int) -> None:
         return x, common.running_mean(y, window)
 
     plots.lines(
-        HERE / "rollout_time.png",
+        HERE / f"rollout_time{suffix}.png",
         {results[n].arm.label: timing(*after_step_1(results[n], "rollout_s")) for n in ARMS},
         "RL step",
         "rollout wall time per step (s)",
@@ -109,7 +115,7 @@ def figures(results: dict[str, common.ArmResult], window: int) -> None:
         size=(7, 4.5),
     )
     plots.lines(
-        HERE / "step_time.png",
+        HERE / f"step_time{suffix}.png",
         {results[n].arm.label: timing(*common.step_times(results[n])) for n in ARMS},
         "RL step",
         "wall time per RL step (s)",
@@ -121,10 +127,10 @@ def figures(results: dict[str, common.ArmResult], window: int) -> None:
 def main():
     args = common.study2_parser(common.TIMED_ROOT).parse_args()
     t0 = time.perf_counter()
-    base = common.base_run(Path(args.base))
-    results = common.study2_arms(ARMS, base, Path(args.workdir))
+    base, root = common.study2_base(args, "timed_root")
+    results = common.study2_arms(ARMS, base, root, args)
     rows = {n: row(results[n], results["plain"], args.window) for n in SPEC}
-    figures(results, args.window)
+    figures(results, args.window, args.model)
     for n, r in rows.items():
         ro, st = r["rollout_s_ratio"], r["step_s_ratio"]
         print(
@@ -141,6 +147,7 @@ def main():
         base,
         results,
         t0,
+        args.model,
         window_steps=args.window,
         arms=rows,
     )
