@@ -221,24 +221,59 @@ def predict_step(
     return {"rollout_s": r["seconds"], "step_s": step, "rollout": r}
 
 
-def predict_run(steps: Sequence[Mapping], costs: Costs, arm: ArmSpec, **kw) -> dict:
+def programs(arm: ArmSpec, batch: int) -> set[tuple[int, int]]:
+    """The (bucket size, γ) loop programs a rollout of `batch` rows runs (γ = 0: plain)."""
+    sizes = compaction.bucket_sizes(batch, arm.min_bucket) if arm.compact else [batch]
+    if not arm.speculative:
+        return {(b, 0) for b in sizes}
+    return {(b, compaction.draft_for_batch(arm.draft_table, b, arm.num_draft)) for b in sizes}
+
+
+def predict_run(
+    steps: Sequence[Mapping],
+    costs: Costs,
+    arm: ArmSpec,
+    compiled: set[tuple[int, int]] | None = None,
+    **kw,
+) -> dict:
     """Sums `predict_step` over `steps`, each a mapping of its arguments (`lengths`,
     `learner_s`, and optionally `alpha`, `reward_s`, `overhead_s`, `draft_table`: the table
     that step's rollout used, replacing `arm.draft_table`); `kw`: arguments common to all.
-    Returns total `rollout_s`, `step_s` and the per-step lists."""
+    A rollout that runs a loop program not in `compiled` ((bucket size, γ) pairs, e.g. those
+    of the first, excluded step; `programs`) first compiles it: `costs[b]["compile_{γ}"]`
+    seconds where given (a new draft table in a tail-aware arm), added to its rollout.
+    Returns total `rollout_s`, `step_s`, `compile_s` and the per-step lists."""
     roll, step = [], []
     seed = kw.pop("seed", 0)
+    seen = set(compiled or ())
+    compile_total = 0.0
     for i, s in enumerate(steps):
         s = dict(s)
         a = arm
         if "draft_table" in s:
             a = dataclasses.replace(arm, draft_table=tuple(map(tuple, s.pop("draft_table"))))
+        new = programs(a, len(s["lengths"])) - seen
+        seen |= new
+        comp = sum(float(costs[b].get(f"compile_{g}", 0.0)) for b, g in new)
+        compile_total += comp
         p = predict_step(costs=costs, arm=a, seed=seed + i, **s, **kw)
-        roll.append(p["rollout_s"])
-        step.append(p["step_s"])
+        r = p["rollout_s"] + comp
+        roll.append(r)
+        both = {**kw, **s}
+        step.append(
+            step_time(
+                r,
+                both["learner_s"],
+                a.asynchronous,
+                both.get("reward_s", 0.0),
+                both.get("overhead_s", 0.0),
+                both.get("contention", 0.0),
+            )
+        )
     return {
         "rollout_s": float(sum(roll)),
         "step_s": float(sum(step)),
+        "compile_s": compile_total,
         "rollout_per_step": roll,
         "step_per_step": step,
     }

@@ -178,3 +178,16 @@ def test_measured_cycle_replaces_the_component_sum():
     # α = 1: 3 cycles at 4 rows (static); tail-aware 1 cycle at 4 rows, a switch, 2 at 2 rows
     assert C.rollout_time(LENGTHS, c, spec(), 1.0)["seconds"] == pytest.approx(9.0)
     assert C.rollout_time(LENGTHS, c, spec(True), 1.0)["seconds"] == pytest.approx(3 + 0.1 + 2)
+
+
+def test_a_new_draft_table_compiles_its_programs_once():
+    c = {4: {**COSTS[4], "compile_0": 5.0, "compile_2": 7.0}, 2: {**COSTS[2], "compile_0": 3.0}}
+    arm = spec(True)
+    first = C.programs(arm, 4)  # step 1 (excluded): γ = 2 at both buckets
+    assert first == {(4, 2), (2, 2)}
+    table = [[2, 0], [4, 2]]  # the 2-row bucket goes plain: one new program, compiled once
+    steps = [{"lengths": LENGTHS, "learner_s": 0.0, "alpha": 1.0, "draft_table": table}] * 2
+    r = C.predict_run(steps, c, arm, compiled=first)
+    assert r["compile_s"] == pytest.approx(3.0)
+    plain_tail = 1 * 2.0 + 0.1 + 5 * 0.6  # 1 cycle at 4 rows, then 5 plain steps at 2 rows
+    assert r["rollout_per_step"] == pytest.approx([plain_tail + 3.0, plain_tail])

@@ -10,6 +10,8 @@ Measured here, on the base run's models, with nothing else running (`measure`):
     each γ = 1 .. `rollout.num_draft` (`cycle_γ`), each timed as one whole rollout with EOS off
     (every row runs to the token budget) minus its set-up, over its iterations; best of
     `--repeats` after a call that compiles;
+  * the compilation of each of those loops (its first call minus its best): a derived draft
+    table that changes compiles the loops of its new (bucket, γ) pairs during the run;
   * the set-up of a rollout of the whole batch (prefill, once per GRPO group, and the first
     token; `setup`, `spec_setup`), and one compaction (gather the live half of the loop state,
     scatter the outputs back, read the live rows on the host; `switch`, `spec_switch`);
@@ -68,8 +70,12 @@ from experiments import common  # noqa: E402
 HERE = Path(__file__).resolve().parent
 
 
-def _best(fn, repeats: int) -> float:
+def _best(fn, repeats: int, first: list | None = None) -> float:
+    """Best of `repeats` calls after one that compiles (its seconds appended to `first`)."""
+    t0 = time.perf_counter()
     jax.block_until_ready(fn())  # compiles
+    if first is not None:
+        first.append(time.perf_counter() - t0)
     best = float("inf")
     for _ in range(repeats):
         t0 = time.perf_counter()
@@ -125,16 +131,19 @@ def loop_costs(s: Setup, repeats: int) -> dict:
     for b in sizes:
         t, ln = s.toks[:b], s.lens[:b]
         c = {}
-        plain = (*s.pol, t, ln, key, noeos, s.layers)
-        full = _best(lambda plain=plain: sampling.sample_jit(*plain), repeats)
+        plain, first = (*s.pol, t, ln, key, noeos, s.layers), []
+        full = _best(lambda plain=plain: sampling.sample_jit(*plain), repeats, first)
+        c["compile_0"] = max(0.0, first[0] - full)
         init = _best(lambda plain=plain: sampling._init_jit(*plain).out, repeats)
         c["step"] = (full - init) / n
         for g in range(1, r.num_draft + 1):
             spec = speculative.SpecConfig(g, r.mode)
             args = (*s.pol, *s.mtp, t, ln, key, noeos, spec, s.vocab, s.layers)
+            first = []
+            full = _best(lambda args=args: speculative.sample_jit(*args), repeats, first)
+            c[f"compile_{g}"] = max(0.0, first[0] - full)
             res = speculative.sample_jit(*args)
             cycles = int(np.asarray(res.stats.verify_calls).max())
-            full = _best(lambda args=args: speculative.sample_jit(*args), repeats)
             call = (*s.pol, *s.mtp, s.vocab, s.layers, t, ln, key, noeos, spec, True, g, 0)
             init = _best(lambda call=call: spec_compacted._init_jit(*call).out, repeats)
             c[f"cycle_{g}"] = (full - init) / max(cycles, 1)
@@ -301,7 +310,11 @@ def predict_arm(wd: Path, measured: dict, sims: int) -> dict:
     records = plots.read_metrics(wd / "rl" / "metrics.jsonl")
     steps, measured_s, measured_roll = arm_steps(records, spec, derived, measured["learner_s"])
     bucket = {int(b): c for b, c in measured["bucket_costs_s"].items()}
-    p = costs.predict_run(steps, bucket, spec, contention=measured["contention"], sims=sims)
+    # the programs of step 1 (excluded) are compiled: its table is the configured one
+    compiled = costs.programs(spec, max(bucket))
+    p = costs.predict_run(
+        steps, bucket, spec, compiled, contention=measured["contention"], sims=sims
+    )
     changes = sum("draft_table" in r for r in records[1:])
     return {
         "measured_s": measured_s,
@@ -310,6 +323,7 @@ def predict_arm(wd: Path, measured: dict, sims: int) -> dict:
         "measured_rollout_s": measured_roll,
         "predicted_rollout_s": p["rollout_s"],
         "rollout_pred_error": (p["rollout_s"] - measured_roll) / measured_roll,
+        "predicted_compile_s": p["compile_s"],
         "steps": len(steps),
         "arm": dataclasses.asdict(spec),
         "draft_table_changes_after_step_1": changes,
