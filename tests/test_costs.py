@@ -191,3 +191,38 @@ def test_a_new_draft_table_compiles_its_programs_once():
     assert r["compile_s"] == pytest.approx(3.0)
     plain_tail = 1 * 2.0 + 0.1 + 5 * 0.6  # 1 cycle at 4 rows, then 5 plain steps at 2 rows
     assert r["rollout_per_step"] == pytest.approx([plain_tail + 3.0, plain_tail])
+
+
+def test_predict_reads_each_step_of_an_arm_from_its_records():
+    """`experiments/e2e_speedup/predict.py`: steps 2.. of an arm's records (step 1 compiles),
+    each with its batch's lengths, its acceptance and the draft table derived after the
+    previous rollout; the host overhead is the step time minus the learner's wait and update."""
+    from experiments.e2e_speedup.predict import arm_steps
+
+    def rec(step, t, table=None):
+        r = {
+            "step": step,
+            "time": t,
+            "response_len_hist": [0, 1, 0, 2],  # lengths 1, 3, 3
+            "rollout_s": 0.5 * step,
+            "reward_s": 0.1,
+            "wait_s": 0.2,
+            "train_s": 1.0,
+            "accept_rate_1": 0.9,
+            "accept_rate_2": 0.6,
+        }
+        return r if table is None else {**r, "draft_table": table}
+
+    records = [rec(1, 100.0, [[8, 1]]), rec(2, 102.0), rec(3, 103.5, [[8, 0]]), rec(4, 105.0)]
+    arm = C.ArmSpec(speculative=True, compact=True, num_draft=2)
+    steps, measured, roll = arm_steps(records, arm, derived=True, learner_s=0.8)
+    assert measured == pytest.approx(5.0) and roll == pytest.approx(0.5 * (2 + 3 + 4))
+    assert [s["draft_table"] for s in steps] == [((8, 1),), ((8, 1),), ((8, 0),)]
+    assert sorted(steps[0]["lengths"]) == [1, 3, 3]
+    assert steps[0]["alpha"] == [0.9, 0.6] and steps[0]["learner_s"] == 0.8
+    assert [s["overhead_s"] for s in steps] == pytest.approx([0.8, 0.3, 0.3])
+    # a plain arm: no acceptance, no table
+    plain, _, _ = arm_steps(records, C.ArmSpec(), derived=False, learner_s=0.8)
+    assert "alpha" not in plain[0] and "draft_table" not in plain[0]
+    with pytest.raises(KeyError, match="response_len_hist"):
+        arm_steps([rec(1, 0.0), {"step": 2, "time": 1.0}], arm, True, 0.8)

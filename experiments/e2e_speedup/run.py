@@ -19,7 +19,21 @@ tokens costs max(1, N / 295) reads of the weights (bandwidth-bound below the rid
 bytes a decode step reads. The projected end-to-end figure puts that rollout speedup into the
 synchronous plain run's measured split of step time (Amdahl).
 
-    python experiments/e2e_speedup/run.py --base runs/demo
+    python experiments/e2e_speedup/run.py --base runs/demo [--predict]
+    python experiments/e2e_speedup/run.py --model smollm2 --base runs/mtp_smollm2 [--sync] \
+        [--predict]
+
+`--model smollm2`: the RL task of `configs/rl_smollm2.py` (40 GRPO steps of 4 prompts x 8,
+T = 0.7, γ = 3, greedy accuracy every 10 steps) from one run of the recipe's MTP
+(`configs/mtp_smollm2.py`, trained in `--base` first if absent), three asynchronous arms --
+plain static, plain tail-aware, speculative tail-aware with the derived draft table (frozen MTP,
+RS) -- and with `--sync` their synchronous twins. Per arm (`results_smollm2.json`, written as
+each arm finishes; a later launch reuses finished arms, so the study can run in parts): RL time
+without step 1 and its split (rollout, learner, reward, wait, evaluation), the rollout share of
+the plain step, accept length and per-position acceptance per step, the greedy accuracy curve;
+ratios between arms; `reward_accuracy_smollm2.png`: reward and accuracy vs step and vs
+wall-clock, all arms. `--predict`: then `predict.py` (the cost model's prediction of every
+arm, beside its measurement). `--runlocal` / `--extra KEY=VALUE`: smoke settings.
 
 Arms land in `runs/exp_rl_speed/<arm>/` (shared with `experiments/growmtp`; run both on an
 otherwise idle machine, one after the other: their wall times are compared); figures and
