@@ -177,6 +177,12 @@ def rollout_time(
     }
 
 
+def break_even_accept_len(costs: Costs, batch: int, gamma: int) -> float:
+    """Tokens per cycle at which speculation at γ pays at `batch` rows: a cycle costs what that
+    many plain steps cost (accept lengths above it make the speculative loop faster)."""
+    return iteration_cost(costs, batch, gamma) / iteration_cost(costs, batch, 0)
+
+
 def derived_table(
     alpha: float | Sequence[float], costs: Costs, num_draft: int, sizes: Sequence[int]
 ) -> tuple[tuple[int, int], ...]:

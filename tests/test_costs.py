@@ -226,3 +226,14 @@ def test_predict_reads_each_step_of_an_arm_from_its_records():
     assert "alpha" not in plain[0] and "draft_table" not in plain[0]
     with pytest.raises(KeyError, match="response_len_hist"):
         arm_steps([rec(1, 0.0), {"step": 2, "time": 1.0}], arm, True, 0.8)
+
+
+def test_break_even_accept_length():
+    # a cycle at γ = 2 and 4 rows costs 1.5 + 2 x 0.25 = 2 plain steps
+    assert C.break_even_accept_len(COSTS, 4, 2) == pytest.approx(2.0)
+    # at that accept length (α = 1 at position 1, 0 at 2: 2 tokens per cycle) one long row
+    # takes as long speculatively as plain
+    c = {1: {"step": 1.0, "verify_3": 1.5, "draft": 0.25}}
+    arm = C.ArmSpec(speculative=True, num_draft=2)
+    t_spec = C.rollout_time([400], c, arm, [1.0, 0.0])["seconds"]
+    assert t_spec == pytest.approx(C.rollout_time([400], c, C.ArmSpec())["seconds"])

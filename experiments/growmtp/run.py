@@ -10,7 +10,8 @@ each stays at most as slow as plain ("starts paying", or never); the final rollo
 RL stage's timed plain-vs-speculative rollouts of its final weights).
 
     python experiments/growmtp/run.py --base runs/demo
-    python experiments/growmtp/run.py --model smollm2 --base runs/mtp_smollm2
+    python experiments/growmtp/run.py --model smollm2 --base runs/mtp_smollm2 \
+        [--costs experiments/e2e_speedup/results_smollm2.json]
 
 `--model smollm2`: the RL task of `configs/rl_smollm2.py` from one run of the recipe's MTP
 (`common.MODELS`; its static arms with `rollout.compact=False`), arms in
@@ -23,6 +24,7 @@ file. Last line: one JSON object.
 
 from __future__ import annotations
 
+import json
 import sys
 import time
 from pathlib import Path
@@ -31,7 +33,7 @@ import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
-from bebop import plots  # noqa: E402
+from bebop import costs, plots  # noqa: E402
 from experiments import common  # noqa: E402
 
 HERE = Path(__file__).resolve().parent
@@ -67,6 +69,24 @@ def after_step_1(res: common.ArmResult, key: str):
     """(step, value) of `key` from step 2 on (step 1 also compiles)."""
     step, y = res.series(key)
     return step[1:], y[1:]
+
+
+def pays_by_cost_model(res: common.ArmResult, costs_file: Path, window: int) -> dict:
+    """The step from which the arm's running-mean accept length stays at or above the cost
+    model's break-even (`costs.break_even_accept_len` at the full batch and `rollout.num_draft`,
+    from the per-bucket costs `e2e_speedup/predict.py` measured and wrote to `costs_file`)."""
+    measured = json.loads(Path(costs_file).read_text())["prediction"]["measured_inputs"]
+    bucket = {int(b): c for b, c in measured["bucket_costs_s"].items()}
+    batch = max(bucket)
+    gamma = max(int(k.split("_")[1]) for k in bucket[batch] if k.startswith("cycle_"))
+    need = costs.break_even_accept_len(bucket, batch, gamma)
+    step, alen = res.series("accept_len")
+    above = common.running_mean(alen, window) >= need
+    below = np.nonzero(~above)[0]
+    first = int(step[0]) if below.size == 0 else None
+    if below.size and below[-1] + 1 < len(step):
+        first = int(step[below[-1] + 1])
+    return {"break_even_accept_len": need, "batch": batch, "gamma": gamma, "pays_from_step": first}
 
 
 def row(res: common.ArmResult, plain: common.ArmResult, window: int) -> dict:
@@ -125,11 +145,21 @@ def figures(results: dict[str, common.ArmResult], window: int, model: str = "dem
 
 
 def main():
-    args = common.study2_parser(common.TIMED_ROOT).parse_args()
+    ap = common.study2_parser(common.TIMED_ROOT)
+    ap.add_argument(
+        "--costs",
+        default="",
+        help="a results file with e2e_speedup/predict.py's measured costs: the step from which "
+        "each head pays by the cost model",
+    )
+    args = ap.parse_args()
     t0 = time.perf_counter()
     base, root = common.study2_base(args, "timed_root")
     results = common.study2_arms(ARMS, base, root, args)
     rows = {n: row(results[n], results["plain"], args.window) for n in SPEC}
+    if args.costs:
+        for n in SPEC:
+            rows[n]["cost_model"] = pays_by_cost_model(results[n], Path(args.costs), args.window)
     figures(results, args.window, args.model)
     for n, r in rows.items():
         ro, st = r["rollout_s_ratio"], r["step_s_ratio"]
