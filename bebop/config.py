@@ -286,6 +286,8 @@ class RolloutConfig:
                 p + "draft_table",
                 f"entries are (batch size >= 1, γ >= 0) pairs, got {entry!r}",
             )
+            why = f"γ of {entry!r} exceeds {p}num_draft = {self.num_draft}"
+            _require(entry[1] <= self.num_draft, p + "draft_table", why)
         sizes = [e[0] for e in self.draft_table]
         _require(len(set(sizes)) == len(sizes), p + "draft_table", f"repeated batch size: {sizes}")
         _require(self.temperature >= 0, p + "temperature", "must be >= 0")
@@ -495,6 +497,12 @@ class RunConfig:
             self.rl.mtp_strategy != "growmtp" or self.rollout.mode != "plain",
             "rl.mtp_strategy",
             "growmtp needs speculative rollouts (rollout.mode != 'plain')",
+        )
+        _require(  # its DCA trains the draft steps it drafts with: every one, every bucket
+            self.rl.mtp_strategy != "growmtp"
+            or all(g == self.rollout.num_draft for _, g in self.rollout.draft_table),
+            "rollout.draft_table",
+            "growmtp drafts rollout.num_draft at every bucket; leave the table empty",
         )
         for s in self.stages:
             _require(s in STAGES, "stages", f"unknown stage {s!r}; known: {STAGES}")
