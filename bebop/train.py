@@ -183,11 +183,15 @@ def make_train_step(
 
 
 def _shardings(tree):
-    """(treedef, the leaves' shardings), or None when a leaf has none (a tracer, a host array)."""
+    """(treedef, the leaves' shardings), or None when a leaf has none (a tracer, a host array)
+    or the leaves do not all live on one device set (jit then moves them, unpinned)."""
     leaves, treedef = jax.tree.flatten(tree)
     if not all(isinstance(x, jax.Array) and not isinstance(x, jax.core.Tracer) for x in leaves):
         return None
-    return treedef, tuple(x.sharding for x in leaves)
+    shards = tuple(x.sharding for x in leaves)
+    if len({frozenset(s.device_set) for s in shards}) > 1:
+        return None
+    return treedef, shards
 
 
 def jit_pinned(fn: Callable, num_pinned: int, donate_argnums=()) -> Callable:

@@ -363,3 +363,37 @@ def test_train_step_and_samplers_compile_once_across_versions(tiny_cfg):
         speculative.sample_jit(gd, v, mtp_gd, mtp_params, toks, lens, jax.random.key(1), scfg, spec)
     assert sampling.sample_jit._cache_size() - plain0 == 1
     assert speculative.sample_jit._cache_size() - spec0 == 1
+
+
+def test_bf16_behaviour_weights_checkpoint_and_restore_in_bf16(tiny_cfg, tmp_path):
+    """A resumed bfloat16 run reads the behaviour versions back as the store keeps them."""
+    from bebop.ckpt import Checkpointer
+    from bebop.config import RLConfig
+    from bebop.rl import stage
+
+    cfg = _cfg(tiny_cfg, dtype="bfloat16")
+    mesh = sharding.make_mesh(MeshConfig(data=1, fsdp=-1))
+    _, params = random_policy(cfg, 11)
+    _, mtp_params = mtp_lib.init(cfg, 1, 12)
+    opt = make_optimizer(OptimConfig(), 10)
+    pol_state = sharding.replicate_unplaced(
+        TrainState.create(sharding.place_state(params, mesh), opt, 0), mesh
+    )
+    mtp_state = sharding.replicate_unplaced(
+        TrainState.create(sharding.place_state(mtp_params, mesh), opt, 1), mesh
+    )
+    store = loop.WeightStore(keep=3)
+    kept = loop.behaviour_copy(pol_state.params, cfg.dtype)
+    store.publish(0, kept, loop.snapshot(mtp_state.params), 0)
+    state, meta = stage.checkpoint_state(pol_state, mtp_state, store, 1, RLConfig(max_staleness=1))
+    ckpt = Checkpointer(tmp_path / "ckpt", 2, False)
+    ckpt.save(1, state, meta)
+    ckpt.wait()
+    step, restored, _ = stage.restore(ckpt, pol_state, mtp_state, 1, cfg.dtype)
+    ckpt.close()
+    back = restored["behaviour"]["v0"]["policy"]
+    assert step == 1
+    for a, b in zip(jax.tree.leaves(back), jax.tree.leaves(kept), strict=True):
+        assert a.dtype == jnp.bfloat16
+        np.testing.assert_array_equal(np.asarray(a, np.float32), np.asarray(b, np.float32))
+    _close(restored["policy"].params, pol_state.params, tol=0)

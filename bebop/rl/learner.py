@@ -129,7 +129,7 @@ def _by_width(make: Callable, rows: int, pick: Callable, batch_arg: int) -> Call
         width = args[batch_arg].tokens.shape[1]
         chunks = rows // pick(width)
         if chunks not in steps:
-            log.info("rl: learner rows of %d tokens: %d microbatch(es)", width, chunks)
+            log.info("rl: learner rows of %d tokens: %d accumulation chunk(s)", width, chunks)
             steps[chunks] = make(chunks)
         return steps[chunks](*args)
 
