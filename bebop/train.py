@@ -183,10 +183,17 @@ def make_train_step(
 
 
 def _shardings(tree):
-    """(treedef, the leaves' shardings), or None when a leaf has none (a tracer, a host array)
-    or the leaves do not all live on one device set (jit then moves them, unpinned)."""
+    """(treedef, the leaves' shardings), or None when a leaf has none (a tracer, a host array,
+    a ShapeDtypeStruct without one) or the leaves do not all live on one device set (jit then
+    moves them, unpinned)."""
     leaves, treedef = jax.tree.flatten(tree)
-    if not all(isinstance(x, jax.Array) and not isinstance(x, jax.core.Tracer) for x in leaves):
+
+    def placed(x):
+        if isinstance(x, jax.ShapeDtypeStruct):
+            return getattr(x, "sharding", None) is not None
+        return isinstance(x, jax.Array) and not isinstance(x, jax.core.Tracer)
+
+    if not all(placed(x) for x in leaves):
         return None
     shards = tuple(x.sharding for x in leaves)
     if len({frozenset(s.device_set) for s in shards}) > 1:
@@ -204,7 +211,7 @@ def jit_pinned(fn: Callable, num_pinned: int, donate_argnums=()) -> Callable:
     misses the cache. One `jax.jit` per input layout; `_cache_size()` counts their programs."""
     jitted: dict = {}
 
-    def call(*args):
+    def for_args(*args):
         pinned = [_shardings(a) for a in args[:num_pinned]]
         key = tuple(pinned)
         f = jitted.get(key)
@@ -214,9 +221,14 @@ def jit_pinned(fn: Callable, num_pinned: int, donate_argnums=()) -> Callable:
             else:
                 out = tuple(jax.tree.unflatten(td, sh) for td, sh in pinned) + (None,)
             f = jitted[key] = jax.jit(fn, donate_argnums=donate_argnums, out_shardings=out)
-        return f(*args)
+        return f
+
+    def call(*args):
+        return for_args(*args)(*args)
 
     call._cache_size = lambda: sum(f._cache_size() for f in jitted.values())
+    # `step.lower(*args)`: arrays or ShapeDtypeStructs with shardings (e.g. a memory plan)
+    call.lower = lambda *args: for_args(*args).lower(*args)
     call.jitted = jitted
     return call
 

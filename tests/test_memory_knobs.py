@@ -397,3 +397,41 @@ def test_bf16_behaviour_weights_checkpoint_and_restore_in_bf16(tiny_cfg, tmp_pat
         assert a.dtype == jnp.bfloat16
         np.testing.assert_array_equal(np.asarray(a, np.float32), np.asarray(b, np.float32))
     _close(restored["policy"].params, pol_state.params, tol=0)
+
+
+def test_auto_microbatch_learner_step_equals_the_whole_batch_step():
+    """`learner.build` under `rl.microbatch=-1` with a budget of ~20 rows: 64 rows run as 4
+    chunks of 16 (also through `.lower` on abstract arguments), with the whole batch's update."""
+    plain, _ = config_lib.load(str(REPO / "configs/demo.py:runlocal"))
+    m = plain.model
+    gd, params = model.init(m, 0)
+    mtp_gd, mtp_params = mtp_lib.init(m, 1, 1)
+    rows, width = 64, 12
+    budget = 20.5 * microbatch.learner_row_bytes(m, width) / 1e9
+    scfg = SamplingConfig(temperature=0.7)
+    rng = np.random.default_rng(0)
+    tokens = jnp.asarray(rng.integers(0, m.vocab_size, (rows, width)), jnp.int32)
+    logp, _ = grpo.token_logprobs(gd, params, tokens, scfg)
+    mask = jnp.asarray((np.arange(width) >= 4) & (rng.random((rows, width)) < 0.8), jnp.float32)
+    batch = loop.LearnerBatch(tokens, mask, logp + 0.1, jnp.asarray(rng.normal(size=rows)))
+
+    def run(mb, budget_gb):
+        rl = dataclasses.replace(plain.rl, microbatch=mb, memory_budget_gb=budget_gb)
+        cfg = dataclasses.replace(plain, rl=rl)
+        opt = optax.sgd(1.0)
+        store = loop.WeightStore(keep=2)
+        learn = learner.build(cfg, gd, mtp_gd, scfg, None, opt, opt, store)
+        state = TrainState.create(loop.snapshot(params), opt, 0)  # donated by the step
+        abstract = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype), state)
+        return learn, learn.policy_step(state, batch, None), cfg, abstract
+
+    learn, (auto_state, auto_m), cfg, state = run(-1, budget)
+    assert learner.microbatch_rows(cfg, m, width) == 16
+    _, (whole_state, whole_m), _, _ = run(0, budget)
+    assert learn.policy_step._cache_size() == 1
+    np.testing.assert_allclose(float(auto_m["loss"]), float(whole_m["loss"]), atol=1e-6, rtol=1e-5)
+    assert _max_diff(whole_state.params, params) > 1e-3
+    _close(auto_state.params, whole_state.params)
+    abstract_batch = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype), batch)
+    hlo = learn.policy_step.lower(state, abstract_batch, None).as_text()
+    assert "while" in hlo  # the accumulation loop over the 4 chunks

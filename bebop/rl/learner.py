@@ -125,15 +125,19 @@ def _by_width(make: Callable, rows: int, pick: Callable, batch_arg: int) -> Call
     `rows // pick(width)` accumulation chunks (made once per chunk count)."""
     steps: dict[int, Callable] = {}
 
-    def call(*args):
+    def for_args(*args):
         width = args[batch_arg].tokens.shape[1]
         chunks = rows // pick(width)
         if chunks not in steps:
             log.info("rl: learner rows of %d tokens: %d accumulation chunk(s)", width, chunks)
             steps[chunks] = make(chunks)
-        return steps[chunks](*args)
+        return steps[chunks]
+
+    def call(*args):
+        return for_args(*args)(*args)
 
     call._cache_size = lambda: sum(f._cache_size() for f in steps.values())
+    call.lower = lambda *args: for_args(*args).lower(*args)
     return call
 
 
