@@ -16,6 +16,9 @@ Log-probs are those of the distribution the sampler drew from (`sampling.stats_l
 temperature, then top-k, then top-p, renormalised over that support), so on-policy the ratio is
 exactly 1 for any top-p / top-k. The KL term uses the temperature-scaled distributions without
 the truncation (a truncated reference would put −∞ on tokens outside its support).
+Memory: the head multiplies in the compute dtype with float32 accumulation
+(`Policy.head_compute`); with `rl.logit_chunk` the log-probs, entropy and KL come from that many
+positions at a time (`chunked_token_stats`), never a `[B, S, V]` float32 array.
 """
 
 from __future__ import annotations
