@@ -52,7 +52,7 @@ def _load(cfg: RunConfig, workdir: Path, mesh) -> tuple[LoadedPolicy, str]:
         m = cfg.model
         loaded = gguf.load(path, mesh, m.dtype, m.scan_layers, m.param_dtype, src.num_layers)
         check_vocab(loaded.tok.vocab_size, loaded.cfg.vocab_size, str(path), str(path))
-        return loaded, str(path)
+        return with_run_knobs(loaded, m), str(path)
     from bebop.checkpoints import hf
 
     m = cfg.model
@@ -60,7 +60,22 @@ def _load(cfg: RunConfig, workdir: Path, mesh) -> tuple[LoadedPolicy, str]:
     loaded = hf.load(path, mesh, m.dtype, m.scan_layers, m.param_dtype, src.num_layers)
     tok = hf_tokenizer(path)
     check_vocab(tok.vocab_size, loaded.cfg.vocab_size, f"{path}/tokenizer.json", str(path))
-    return dataclasses.replace(loaded, tok=tok), str(path)
+    return dataclasses.replace(with_run_knobs(loaded, m), tok=tok), str(path)
+
+
+# `ModelConfig` fields that are how bebop runs an architecture, not part of it: a checkpoint's
+# architecture takes them from the run's `model.*` keys.
+RUN_KNOBS = ("remat", "attention", "attention_chunk")
+
+
+def with_run_knobs(loaded: LoadedPolicy, run_model: ModelConfig) -> LoadedPolicy:
+    """A checkpoint's policy with the run's `RUN_KNOBS` (`model.remat`, `model.attention`, ...)
+    in its architecture and graph (the parameters are unchanged)."""
+    knobs = {k: getattr(run_model, k) for k in RUN_KNOBS}
+    if all(getattr(loaded.cfg, k) == v for k, v in knobs.items()):
+        return loaded
+    cfg = dataclasses.replace(loaded.cfg, **knobs)
+    return dataclasses.replace(loaded, cfg=cfg, graphdef=model.abstract(cfg)[0])
 
 
 def hf_dir(cfg: RunConfig, workdir: Path) -> Path:
