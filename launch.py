@@ -82,13 +82,46 @@ def maybe_init_distributed(dcfg) -> None:
     if _DISTRIBUTED and "JAX_CPU_COLLECTIVES_IMPLEMENTATION" not in os.environ:
         jax.config.update("jax_cpu_collectives_implementation", "gloo")
     if dcfg.coordinator_address or dcfg.num_processes > 1:
+        if dcfg.process_id != 0:  # JAX aborts the process when the coordinator never answers
+            wait_for_coordinator(dcfg.coordinator_address, dcfg.init_timeout_s)
         jax.distributed.initialize(
             coordinator_address=dcfg.coordinator_address or None,
             num_processes=dcfg.num_processes,
             process_id=dcfg.process_id,
+            initialization_timeout=dcfg.init_timeout_s,
         )
     elif dcfg.auto or os.environ.get("JAX_COORDINATOR_ADDRESS"):
         jax.distributed.initialize()  # cluster auto-detection (TPU pods, SLURM, ...)
+
+
+class CoordinatorUnreachable(RuntimeError):
+    """No coordinator accepts connections at `distributed.coordinator_address`."""
+
+
+def wait_for_coordinator(address: str, timeout_s: float, poll_s: float = 0.25) -> None:
+    """Returns once something accepts TCP connections at `address` (host:port); raises
+    `CoordinatorUnreachable` naming the address and `distributed.init_timeout_s` after
+    `timeout_s` seconds of refused or unanswered connections."""
+    import socket
+    import time
+
+    host, _, port = address.rpartition(":")
+    deadline = time.monotonic() + timeout_s
+    last = None
+    while True:
+        left = deadline - time.monotonic()
+        try:
+            with socket.create_connection((host.strip("[]"), int(port)), max(0.1, min(5, left))):
+                return
+        except (OSError, ValueError) as e:
+            last = e
+        if time.monotonic() + poll_s >= deadline:
+            raise CoordinatorUnreachable(
+                f"config key 'distributed.coordinator_address': no coordinator answered at "
+                f"{address} within distributed.init_timeout_s={timeout_s:g}s ({last}); start "
+                "process 0 first (it serves the address), or check the host and port"
+            )
+        time.sleep(poll_s)
 
 
 def list_sweep(args, overrides) -> int:
@@ -190,6 +223,7 @@ def _known_errors() -> tuple[type, ...]:
     from bebop.ckpt import CheckpointRestoreError
     from bebop.io import DamagedFileError
     from bebop.pipeline import WorkdirLocked
+    from bebop.rl.guards import DraftCollapseError
     from bebop.tokenizer import TokenizerError
     from bebop.train import NonFiniteError
 
@@ -201,6 +235,7 @@ def _known_errors() -> tuple[type, ...]:
         CheckpointError,
         TokenizerError,
         FileNotFoundError,
+        DraftCollapseError,
     )
 
 
@@ -228,7 +263,11 @@ def main(argv=None) -> int:
         return 2
     if cfgs[0].fast_compile:
         use_fast_compile()
-    maybe_init_distributed(cfgs[0].distributed)
+    try:
+        maybe_init_distributed(cfgs[0].distributed)
+    except CoordinatorUnreachable as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 1
     failed = []
     for i, cfg in zip(indices, cfgs, strict=True):
         if args.workdir is None:
@@ -258,6 +297,9 @@ def exit_now(code: int) -> None:
         import jax
 
         jax.distributed.shutdown()
+    rewards = sys.modules.get("bebop.rl.rewards")
+    if rewards is not None:  # its worker pool's semaphores, else reported leaked at exit
+        rewards.shutdown()
     sys.stdout.flush()
     sys.stderr.flush()
     os._exit(code)

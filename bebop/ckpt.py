@@ -94,12 +94,19 @@ class Checkpointer:
             state_args = ocp.args.StandardRestore(target)
         failed = []
         for step in sorted(self.manager.all_steps(), reverse=True):
+            mismatch = _mismatch(self.directory / str(step) / "state", target, partial)
+            if mismatch is not None:  # found from the metadata: no array read is started
+                log.warning("checkpoint step %d does not fit: %s", step, mismatch)
+                failed.append((step, ValueError(mismatch)))
+                continue
             try:
                 restored = self.manager.restore(
                     step, args=ocp.args.Composite(state=state_args, meta=ocp.args.JsonRestore())
                 )
             except Exception as e:  # noqa: BLE001 - any failure means: try an older step
-                log.warning("checkpoint step %d is unreadable (%s); trying an older one", step, e)
+                log.warning(
+                    "checkpoint step %d is unreadable (%s); trying an older one", step, _brief(e)
+                )
                 failed.append((step, e))
                 continue
             for bad, _ in failed:
@@ -107,10 +114,15 @@ class Checkpointer:
             return step, restored["state"], restored["meta"]
         if failed:
             step, e = failed[0]
+            steps = ", ".join(str(s) for s, _ in failed)
+            if not any(_is_mismatch(err) for _, err in failed):
+                raise CheckpointRestoreError(
+                    f"every checkpoint under {self.directory} is damaged (steps {steps} do not "
+                    f"read; newest: {_brief(e)}); restore the files or start a new --workdir"
+                ) from e
             raise CheckpointRestoreError(
                 f"no checkpoint under {self.directory} restores into the current train state "
-                f"(newest, step {step}: {type(e).__name__}: {str(e)[:300]}). If the config "
-                f"changed, use a new --workdir."
+                f"(newest, step {step}: {_brief(e)}). If the config changed, use a new --workdir."
             ) from e
         return None
 
@@ -129,6 +141,94 @@ class Checkpointer:
     def close(self) -> None:
         self.manager.wait_until_finished()
         self.manager.close()
+
+
+def _path_name(path) -> str:
+    keys = [getattr(k, "key", getattr(k, "name", getattr(k, "idx", k))) for k in path]
+    return ".".join(str(k) for k in keys if k != "value")
+
+
+def _mismatch(state_dir: Path, target, partial: bool) -> str | None:
+    """How `target` (ShapeDtypeStructs) does not fit the arrays saved in `state_dir`, from its
+    metadata alone: the first tensor missing or of another shape (None: it fits, or the metadata
+    is unreadable and the restore itself decides). Restoring a mismatch starts array reads that
+    orbax abandons, whose callbacks then print "Event loop is closed" tracebacks."""
+    try:
+        meta = ocp.StandardCheckpointHandler().metadata(state_dir)
+    except Exception:  # noqa: BLE001 - damaged metadata: the restore reports it
+        return None
+    tree = getattr(getattr(meta, "item_metadata", meta), "tree", None)
+    if tree is None:
+        return None
+    saved = {
+        _path_name(p): tuple(x.shape)
+        for p, x in jax.tree_util.tree_flatten_with_path(tree)[0]
+        if getattr(x, "shape", None) is not None
+    }
+    wanted = {
+        _path_name(p): tuple(x.shape)
+        for p, x in jax.tree_util.tree_flatten_with_path(target)[0]
+        if getattr(x, "shape", None) is not None
+    }
+    for name, shape in wanted.items():
+        if name not in saved:
+            return f"tensor {name!r} is not in the checkpoint (structure mismatch)"
+        if saved[name] != shape:
+            return f"tensor {name!r} has shape {saved[name]}, expected {shape} (shape mismatch)"
+    extra = sorted(set(saved) - set(wanted))
+    if extra and not partial:
+        return (
+            f"the checkpoint holds tensors the state lacks, e.g. {extra[0]!r} (structure mismatch)"
+        )
+    return None
+
+
+def _brief(e: BaseException, limit: int = 240) -> str:
+    """One line of an orbax / TensorStore error (their messages run over many lines)."""
+    text = str(e).split("See full TensorStore details")[0]
+    text = " ".join(text.split())
+    text = text if len(text) <= limit else text[: limit - 3] + "..."
+    return f"{type(e).__name__}: {text}"
+
+
+def _is_mismatch(e: BaseException) -> bool:
+    """Whether a restore failed on the target's structure, shapes or dtypes (the config changed)
+    rather than on reading the files (damage)."""
+    words = ("shape", "structure", "dtype", "not compatible", "missing", "mismatch", "tree")
+    return any(w in _brief(e, 10_000).lower() for w in words)  # not TensorStore's spec dump
+
+
+def saved_keys(ckpt_dir: Path) -> list[str] | None:
+    """The state keys ("params.embed", ...) of the newest step in `ckpt_dir` as its metadata
+    lists them, or None when there is no readable metadata."""
+    import json
+
+    steps = [p for p in Path(ckpt_dir).glob("*") if p.name.isdigit()] if ckpt_dir else []
+    for step in sorted(steps, key=lambda p: -int(p.name)):
+        try:
+            tree = json.loads((step / "state" / "_METADATA").read_text())["tree_metadata"]
+        except (OSError, ValueError, KeyError, TypeError):
+            continue
+        keys = []
+        for k in tree:
+            parts = [x.strip(" '\"") for x in k.strip("()").split(",") if x.strip()]
+            keys.append(".".join(x for x in parts if x != "value"))
+        return keys
+    return None
+
+
+def describe(keys: list[str] | None) -> str:
+    """What a checkpoint with state `keys` (`saved_keys`) holds, in words."""
+    if keys is None:
+        return "no readable checkpoint"
+    top = sorted({k.split(".")[0] for k in keys})
+    if "policy" in top and "mtp" in top:
+        return "an rl stage checkpoint (policy and MTP train states)"
+    if any(k.startswith("params.embed") for k in keys):
+        return "a policy checkpoint (params.embed, params.layers: an sft stage's)"
+    if any(".block." in k or k.startswith("params.layers.w_fc") for k in keys):
+        return "an MTP checkpoint"
+    return f"a checkpoint with keys {sorted(keys)[:6]}"
 
 
 def _barriers_off_device() -> None:

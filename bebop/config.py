@@ -14,6 +14,7 @@ import ast
 import dataclasses
 import importlib.util
 import json
+import math
 import types
 import typing
 from collections.abc import Sequence
@@ -51,6 +52,18 @@ def _positive(obj, prefix: str, *names: str) -> None:
         _require(getattr(obj, n) > 0, f"{prefix}{n}", f"must be > 0, got {getattr(obj, n)!r}")
 
 
+# `model.remat` values: no remat, one jax.checkpoint per block, or a named jax.checkpoint policy
+# (`jax.checkpoint_policies.<name>`, applied per block).
+REMAT_POLICIES = (
+    "nothing_saveable",
+    "everything_saveable",
+    "dots_saveable",
+    "dots_with_no_batch_dims_saveable",
+)
+REMAT_CHOICES = ("none", "block", *REMAT_POLICIES)
+ATTENTION_CHOICES = ("xla", "dot_product", "cudnn", "chunked")
+
+
 @dataclasses.dataclass(frozen=True)
 class ModelConfig:
     """Qwen2/Qwen3/Llama-family decoder. See `bebop/model.py`."""
@@ -80,6 +93,21 @@ class ModelConfig:
     # caches (`model.decode_layers`; a scanned decode step copied every weight: bebop/model.py).
     scan_layers: bool = True
     init_std: float = 0.02  # standard deviation of the random initialisation
+    # Rematerialisation of the full-sequence forward's blocks (training): "none" keeps every
+    # block's activations for the backward; "block" keeps only each block's input and recomputes
+    # the block in the backward (jax.checkpoint per block); or a jax.checkpoint_policies name
+    # (REMAT_POLICIES: e.g. "dots_saveable" also keeps matmul outputs). Cached forwards never
+    # remat; a remat forward scans its layers even without `scan_layers` (unrolled, XLA kept
+    # every block's recompute alive). Same values, less memory, ~1/3 more learner compute.
+    remat: str = "none"
+    # Attention of the full-sequence forward (cached forwards always use `xla`):
+    #   xla          scores [B, H, T, S] float32 in one piece (`model.attend`);
+    #   dot_product  jax.nn.dot_product_attention, implementation picked by JAX (XLA today);
+    #   cudnn        jax.nn.dot_product_attention on cuDNN's flash kernel (GPU, bf16 only);
+    #   chunked      `attention_chunk` queries at a time, each chunk recomputed in the backward:
+    #                scores [B, H, attention_chunk, S] float32 at most (any backend).
+    attention: str = "xla"
+    attention_chunk: int = 512  # queries per chunk of `attention="chunked"`
 
     def validate(self, p: str = "model.") -> None:
         _positive(self, p, "vocab_size", "dim", "num_layers", "num_heads", "num_kv_heads")
@@ -90,6 +118,17 @@ class ModelConfig:
             f"num_heads={self.num_heads} is not divisible by num_kv_heads={self.num_kv_heads}",
         )
         _require(self.head_dim % 2 == 0, f"{p}head_dim", "must be even for RoPE")
+        _require(
+            self.remat in REMAT_CHOICES,
+            f"{p}remat",
+            f"unknown {self.remat!r}; known: {REMAT_CHOICES}",
+        )
+        _require(
+            self.attention in ATTENTION_CHOICES,
+            f"{p}attention",
+            f"unknown {self.attention!r}; known: {ATTENTION_CHOICES}",
+        )
+        _positive(self, p, "attention_chunk")
         for key in ("dtype", "param_dtype"):
             value = getattr(self, key)
             _require(
@@ -133,25 +172,40 @@ class OptimConfig:
         _require(self.schedule in ("cosine", "linear", "constant"), p + "schedule", "unknown")
         _require(0.0 <= self.min_lr_ratio <= 1.0, p + "min_lr_ratio", "must be in [0, 1]")
         _require(self.weight_decay >= 0, p + "weight_decay", "must be >= 0")
+        for k in ("b1", "b2"):  # Adam's moment decay rates
+            _require(
+                0.0 <= getattr(self, k) < 1.0, p + k, f"must be in [0, 1), got {getattr(self, k)}"
+            )
 
 
 @dataclasses.dataclass(frozen=True)
 class TaskConfig:
     """Verifiable task (see `bebop/tasks.py`)."""
 
-    name: str = "arithmetic"  # arithmetic | countdown | gsm8k | wordmath
+    name: str = "arithmetic"  # arithmetic | countdown | gsm8k | wordmath | jsonl
     digits: int = 2  # difficulty knob: operand digits (arithmetic), numbers - 1 (countdown)
     noise: float = 0.05  # fraction of SFT examples whose final answer is corrupted
-    path: str = ""  # gsm8k: a JSONL file of {"question", "answer"}
-    eval_size: int = 200  # gsm8k: problems held out of training for evaluation
+    # gsm8k: a JSONL file of {"question", "answer"}; jsonl: of {"prompt", "answer"[, "system"]}
+    path: str = ""
+    eval_size: int = 200  # gsm8k / jsonl: problems held out of training for evaluation
+    # jsonl: the reward, "package.module:function" called as function(completion, record) ->
+    # float (record: the line's JSON object); "" = exact match of the final answer
+    reward: str = ""
 
     def validate(self, p: str = "task.") -> None:
-        names = ("arithmetic", "countdown", "gsm8k", "wordmath")
+        names = ("arithmetic", "countdown", "gsm8k", "wordmath", "jsonl")
         _require(self.name in names, p + "name", f"unknown task {self.name!r}; known: {names}")
         _require(1 <= self.digits <= 6, p + "digits", "must be in [1, 6]")
         _require(0.0 <= self.noise < 1.0, p + "noise", "must be in [0, 1)")
-        _require(self.name != "gsm8k" or bool(self.path), p + "path", "required for gsm8k")
+        for n in ("gsm8k", "jsonl"):
+            _require(self.name != n or bool(self.path), p + "path", f"required for {n}")
         _require(self.eval_size >= 1, p + "eval_size", "must be >= 1")
+        mod, sep, fn = self.reward.partition(":")
+        _require(
+            not self.reward or (self.name == "jsonl" and sep and mod and fn.isidentifier()),
+            p + "reward",
+            f"{self.reward!r}: a 'package.module:function' for task.name='jsonl'",
+        )
 
 
 @dataclasses.dataclass(frozen=True)
@@ -188,9 +242,12 @@ class DistributedConfig:
     num_processes: int = 1  # processes in the job
     process_id: int = 0  # this process's index
     auto: bool = False  # let `jax.distributed.initialize()` discover the cluster
+    # Seconds a process waits for the coordinator (and JAX for every process to join) before
+    # the launch fails with an error naming the address
+    init_timeout_s: int = 300
 
     def validate(self, p: str = "distributed.") -> None:
-        _positive(self, p, "num_processes")
+        _positive(self, p, "num_processes", "init_timeout_s")
         _require(
             self.num_processes == 1 or bool(self.coordinator_address),
             p + "coordinator_address",
@@ -237,6 +294,7 @@ TINY_KINDS = ("llama", "qwen2", "qwen3")
 
 
 MAX_NEW_TOKENS = 32768  # rollouts longer than this are a typo, not a plan (KV caches grow with it)
+MAX_DRAFT = 64  # drafted tokens per verify step (γ): acceptance of a longer chain is ~0
 
 
 @dataclasses.dataclass(frozen=True)
@@ -266,12 +324,18 @@ class RolloutConfig:
                 p + "draft_table",
                 f"entries are (batch size >= 1, γ >= 0) pairs, got {entry!r}",
             )
+            why = f"γ of {entry!r} exceeds {p}num_draft = {self.num_draft}"
+            _require(entry[1] <= self.num_draft, p + "draft_table", why)
         sizes = [e[0] for e in self.draft_table]
         _require(len(set(sizes)) == len(sizes), p + "draft_table", f"repeated batch size: {sizes}")
         _require(self.temperature >= 0, p + "temperature", "must be >= 0")
         _require(0 < self.top_p <= 1, p + "top_p", "must be in (0, 1]")
         _require(self.top_k >= 0, p + "top_k", "must be >= 0")
         _positive(self, p, "max_new_tokens", "num_draft")
+        for k, g in [("num_draft", self.num_draft)] + [
+            ("draft_table", e[1]) for e in self.draft_table
+        ]:
+            _require(g <= MAX_DRAFT, p + k, f"γ = {g} is more than the supported {MAX_DRAFT}")
         _require(
             self.max_new_tokens <= MAX_NEW_TOKENS,
             p + "max_new_tokens",
@@ -378,8 +442,23 @@ class RLConfig:
     draft_log_rows: int = 4  # rows per step whose drafted tokens go to rl/draft_tokens.bin
     speedup_repeats: int = 2  # timed plain-vs-speculative rollouts at the end (0 = skip)
     # Rows per gradient-accumulation chunk of the policy update (0 = the whole batch at once):
-    # bounds the learner's [rows, S, V] logits, e.g. 32 x 200 x 49152 float32 = 1.3 GB each.
+    # bounds the learner's activations (and without `logit_chunk` its [rows, S, V] float32
+    # logits, e.g. 32 x 200 x 49152 x 4 B = 1.3 GB). -1 = auto: the largest divisor of the batch
+    # whose estimated activations fit `memory_budget_gb` per device (`memory.auto_microbatch`).
     microbatch: int = 0
+    # Per-device bytes (GB = 1e9 B) the learner step's activations may take under
+    # `microbatch=-1`: the device's memory minus its resident state (params, optimizer, weight
+    # store, KV caches) minus headroom.
+    memory_budget_gb: float = 16.0
+    # Tokens per chunk of the learner's log-probs, entropy and KL (0 = the whole sequence): the
+    # head, log-softmax and top-k/top-p run on [rows, logit_chunk, V] at a time, recomputed in
+    # the backward, so no [rows, S, V] float32 array exists. Same values.
+    logit_chunk: int = 0
+    # Draft-collapse guard (bebop/rl/guards.py; 0 = off): a batch whose accept rate is below this
+    # fraction of its running level warns naming the policy and MTP versions, or with
+    # draft_collapse_action='error' stops the run.
+    draft_collapse_ratio: float = 0.25
+    draft_collapse_action: str = "warn"  # warn | error
     optim: OptimConfig = OptimConfig(lr=2e-5, warmup_steps=0, schedule="constant", grad_clip=1.0)
     mtp_optim: OptimConfig = OptimConfig(lr=3e-4, warmup_steps=10, schedule="cosine")
 
@@ -389,6 +468,11 @@ class RLConfig:
         _require(self.speedup_repeats >= 0, p + "speedup_repeats", "must be >= 0 (0 = skip)")
         _require(self.group_size >= 2, p + "group_size", "GRPO needs groups of at least 2")
         _require(self.clip_low > 0 and self.clip_high > 0, p + "clip_low", "must be > 0")
+        _require(
+            self.clip_low < 1,
+            p + "clip_low",
+            f"must be < 1 (ratio floor 1 - clip_low > 0), got {self.clip_low}",
+        )
         _require(self.kl_coef >= 0, p + "kl_coef", "must be >= 0")
         _require(self.loss_agg in ("token", "sequence"), p + "loss_agg", "token | sequence")
         _require(self.max_staleness >= 0, p + "max_staleness", "must be >= 0")
@@ -401,11 +485,17 @@ class RLConfig:
         _require(self.eval_every >= 0, p + "eval_every", "must be >= 0 (0 = off)")
         rows = self.prompts_per_step * self.group_size
         _require(
-            self.microbatch >= 0 and (self.microbatch == 0 or rows % self.microbatch == 0),
+            self.microbatch in (-1, 0) or (self.microbatch > 0 and rows % self.microbatch == 0),
             p + "microbatch",
-            f"must be 0 (off) or divide the batch's prompts_per_step x group_size = {rows} rows",
+            f"must be 0 (off), -1 (auto) or divide the batch's prompts_per_step x group_size = "
+            f"{rows} rows, got {self.microbatch}",
         )
+        _require(self.memory_budget_gb > 0, p + "memory_budget_gb", "must be > 0")
+        _require(self.logit_chunk >= 0, p + "logit_chunk", "must be >= 0 (0 = off)")
         _require(self.draft_log_rows >= 0, p + "draft_log_rows", "must be >= 0 (0 = off)")
+        r, a = self.draft_collapse_ratio, self.draft_collapse_action
+        _require(0 <= r < 1, p + "draft_collapse_ratio", f"must be in [0, 1) (0 = off), got {r}")
+        _require(a in ("warn", "error"), p + "draft_collapse_action", f"warn | error, not {a!r}")
         strategies = ("frozen", "online", "joint", "growmtp")
         _require(self.mtp_strategy in strategies, p + "mtp_strategy", f"one of {strategies}")
         losses = ("ce", "kl", "reverse_kl", "tv", "e2e_tv", "e2e_tv_partial", "dca")
@@ -415,6 +505,13 @@ class RLConfig:
 
 
 STAGES = ("sft", "distill", "mtp", "rl")
+CHAT_TASKS = ("gsm8k", "wordmath")  # tasks whose prompts need a chat model
+
+
+def check_inputs(cfg: RunConfig) -> None:
+    """The files a config names exist (at launch, before any stage runs)."""
+    if cfg.task.name in ("gsm8k", "jsonl"):
+        _require(Path(cfg.task.path).is_file(), "task.path", f"no such file: {cfg.task.path}")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -452,8 +549,26 @@ class RunConfig:
             "rl.mtp_strategy",
             "growmtp needs speculative rollouts (rollout.mode != 'plain')",
         )
+        _require(  # its DCA trains the draft steps it drafts with: every one, every bucket
+            self.rl.mtp_strategy != "growmtp"
+            or all(g == self.rollout.num_draft for _, g in self.rollout.draft_table),
+            "rollout.draft_table",
+            "growmtp drafts rollout.num_draft at every bucket; leave the table empty",
+        )
         for s in self.stages:
             _require(s in STAGES, "stages", f"unknown stage {s!r}; known: {STAGES}")
+        _require(
+            self.policy.source != "sft" or self.task.name not in CHAT_TASKS,
+            "task.name",
+            f"{self.task.name!r} prompts are chat messages; the demo policy (policy.source='sft') "
+            "reads only the arithmetic alphabet: use policy.source='gguf' or 'hf'",
+        )
+        order = [STAGES.index(s) for s in self.stages]
+        _require(
+            order == sorted(set(order)),
+            "stages",
+            f"{self.stages} must list each stage once, in the order {STAGES}",
+        )
         _positive(self, "", "max_nonfinite")
         # numpy/grain seeds must be non-negative; stages derive seeds by adding small offsets.
         _require(0 <= self.seed < 2**31 - 1000, "seed", f"must be in [0, 2**31-1000): {self.seed}")
@@ -516,6 +631,7 @@ def _coerce(value, tp, key: str):
         _require(
             isinstance(value, (int, float)) and not isinstance(value, bool), key, "expected float"
         )
+        _require(math.isfinite(value), key, f"must be a finite number, got {value!r}")
         return float(value)
     if tp is str:
         _require(isinstance(value, str), key, f"expected a string, got {value!r}")
@@ -651,6 +767,7 @@ def load(
         set_by_path(cd, k, _literal(v))
     cfg = from_dict(RunConfig, cd)
     cfg.validate()
+    check_inputs(cfg)
     return cfg, cd
 
 

@@ -28,7 +28,9 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import sys
+import threading
 from pathlib import Path
 
 import jax
@@ -37,7 +39,8 @@ from bebop import config as config_lib
 from bebop import policies, sharding
 from bebop.checkpoints import hf, names
 from bebop.checkpoints.tokenizer_files import write_tokenizer
-from bebop.io import read_json
+from bebop.ckpt import CheckpointRestoreError
+from bebop.io import DamagedFileError, read_json
 
 STAGES = ("rl", "sft", "mtp")
 
@@ -119,7 +122,13 @@ def export_run(args) -> tuple[Path, str]:
     with_mtp = args.with_mtp or stage == "mtp"
     # One host device: export gathers every tensor to the host anyway.
     mesh = sharding.make_mesh(config_lib.MeshConfig(data=1), jax.devices("cpu")[:1])
-    policy, params, mtp_params, fmt = weights(cfg, workdir, stage, with_mtp, mesh)
+    try:
+        policy, params, mtp_params, fmt = weights(cfg, workdir, stage, with_mtp, mesh)
+    except CheckpointRestoreError as e:
+        raise ExportError(
+            f"{workdir / 'config.json'} does not describe the checkpoints in {workdir} (was it "
+            f"edited after the run?): {e}"
+        ) from e
     base_cfg, base_gen, src = {}, {}, None
     if cfg.policy.source == "hf":  # keep what bebop does not model (token ids, max positions)
         src = policies.hf_dir(cfg, workdir)
@@ -173,9 +182,48 @@ def main(argv=None) -> Path:
     return out
 
 
+def _exit(code: int) -> None:
+    """Exits without the interpreter's shutdown, where orbax's background threads would print
+    "Event loop is closed" (and more) after the error line."""
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(code)
+
+
+def _quiet_closed_loops() -> None:
+    """Orbax's and TensorStore's background callbacks raise "Event loop is closed" when a
+    checkpoint reader closes while they still schedule work, each printing a traceback (through
+    `sys.excepthook` from native threads, `threading.excepthook` from Python ones); they are not
+    errors of the export, whose own error must stay its only line."""
+
+    def closed(exc) -> bool:
+        return isinstance(exc, RuntimeError) and "loop is closed" in str(exc)
+
+    default_thread, default_sys = threading.excepthook, sys.excepthook
+
+    def thread_hook(args):
+        if not closed(args.exc_value):
+            default_thread(args)
+
+    def sys_hook(tp, value, tb):
+        if not closed(value):
+            default_sys(tp, value, tb)
+
+    threading.excepthook, sys.excepthook = thread_hook, sys_hook
+
+
 if __name__ == "__main__":
+    _quiet_closed_loops()
     try:
         main()
-    except (ExportError, config_lib.ConfigError, hf.CheckpointError, FileNotFoundError) as e:
+    except (
+        ExportError,
+        config_lib.ConfigError,
+        hf.CheckpointError,
+        FileNotFoundError,
+        CheckpointRestoreError,
+        DamagedFileError,
+    ) as e:
         print(f"bebop.export: error: {e}", file=sys.stderr)
-        sys.exit(2)
+        _exit(2)
+    _exit(0)

@@ -11,8 +11,13 @@ and gloo CPU collectives. Every line a process prints is forwarded with the pref
 (stdout to stdout, stderr to stderr). When one process exits with an error (or is killed), the
 others get SIGTERM, then SIGKILL after `--shutdown_timeout_s`; the launcher exits with the failing
 process's code (128 + signal for a signal) and its error as the last line of stderr. SIGTERM or
-SIGINT to the launcher is passed on to every process (a preemption: they save and exit 143); a
-second one kills them. The launcher's first stderr line names each process's pid.
+SIGINT to the launcher is passed on to every process (a preemption: they save and exit 143). A
+second SIGTERM is not escalated -- `timeout` and job schedulers send SIGTERM to the launcher and
+its process group, so one request to stop can arrive twice -- while a second SIGINT (Ctrl-C
+twice) kills them; SIGKILL the launcher to kill everything (its processes die with it). The
+processes are started with `setsid` (their own process group), so signals to the launcher's
+process group reach them only through the launcher. The launcher's first stderr line names each
+process's pid.
 """
 
 from __future__ import annotations
@@ -84,6 +89,7 @@ class Cluster:
                 stdout=subprocess.PIPE,
                 stderr=subprocess.PIPE,
                 preexec_fn=_die_with_parent,
+                start_new_session=True,  # group signals reach them through `on_signal` only
             )
             for i in range(n)
         ]
@@ -115,9 +121,15 @@ class Cluster:
                 p.send_signal(signum)
 
     def on_signal(self, signum: int, frame=None) -> None:
-        """The first SIGTERM / SIGINT is passed on, a second one kills."""
+        """The first SIGTERM / SIGINT is passed on; a second SIGINT kills, a second SIGTERM is
+        the same request again (the processes are already saving): it changes nothing."""
         self.signals += 1
-        self.signal_all(signum if self.signals == 1 else signal.SIGKILL)
+        if self.signals == 1:
+            self.signal_all(signum)
+        elif signum == signal.SIGINT:
+            self.signal_all(signal.SIGKILL)
+        else:
+            print("local_cluster: SIGTERM again; the processes are saving", file=sys.stderr)
 
     def wait(self, shutdown_timeout_s: float) -> tuple[int, int | None]:
         """(exit code, index of the failing process or None). Polls until every process is done

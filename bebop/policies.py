@@ -22,17 +22,29 @@ from flax import nnx
 from bebop import model, sharding
 from bebop import mtp as mtp_lib
 from bebop.checkpoints import LoadedPolicy
+from bebop.checkpoints.tokenizer_files import read_char_tokenizer
 from bebop.ckpt import restore_params, restore_partial
 from bebop.config import ConfigError, ModelConfig, RunConfig, check_vocab
+from bebop.finite import check_finite
 from bebop.tokenizer import BPETokenizer, CharTokenizer
 
 
 def load(cfg: RunConfig, workdir: Path, mesh) -> LoadedPolicy:
+    """The policy `cfg.policy` names, its weights checked finite (`finite.check_finite`)."""
+    loaded, where = _load(cfg, workdir, mesh)
+    check_finite(loaded.params, f"the policy ({where})")
+    if loaded.mtp is not None:
+        check_finite(loaded.mtp[1], f"the MTP layers the policy ships ({where})")
+    return loaded
+
+
+def _load(cfg: RunConfig, workdir: Path, mesh) -> tuple[LoadedPolicy, str]:
     src = cfg.policy
     if src.source == "sft":  # the demo policy trained by this run's `sft` stage
         graphdef, abstract = model.abstract(cfg.model)
-        params = restore_params(Path(workdir) / "sft" / "ckpt", abstract, mesh)
-        return LoadedPolicy(cfg.model, graphdef, params, CharTokenizer())
+        ckpt_dir = Path(workdir) / "sft" / "ckpt"
+        params = restore_params(ckpt_dir, abstract, mesh)
+        return LoadedPolicy(cfg.model, graphdef, params, CharTokenizer()), str(ckpt_dir)
     if src.source == "gguf":
         from bebop.checkpoints import gguf
 
@@ -40,7 +52,7 @@ def load(cfg: RunConfig, workdir: Path, mesh) -> LoadedPolicy:
         m = cfg.model
         loaded = gguf.load(path, mesh, m.dtype, m.scan_layers, m.param_dtype, src.num_layers)
         check_vocab(loaded.tok.vocab_size, loaded.cfg.vocab_size, str(path), str(path))
-        return loaded
+        return with_run_knobs(loaded, m), str(path)
     from bebop.checkpoints import hf
 
     m = cfg.model
@@ -48,7 +60,22 @@ def load(cfg: RunConfig, workdir: Path, mesh) -> LoadedPolicy:
     loaded = hf.load(path, mesh, m.dtype, m.scan_layers, m.param_dtype, src.num_layers)
     tok = hf_tokenizer(path)
     check_vocab(tok.vocab_size, loaded.cfg.vocab_size, f"{path}/tokenizer.json", str(path))
-    return dataclasses.replace(loaded, tok=tok)
+    return dataclasses.replace(with_run_knobs(loaded, m), tok=tok), str(path)
+
+
+# `ModelConfig` fields that are how bebop runs an architecture, not part of it: a checkpoint's
+# architecture takes them from the run's `model.*` keys.
+RUN_KNOBS = ("remat", "attention", "attention_chunk")
+
+
+def with_run_knobs(loaded: LoadedPolicy, run_model: ModelConfig) -> LoadedPolicy:
+    """A checkpoint's policy with the run's `RUN_KNOBS` (`model.remat`, `model.attention`, ...)
+    in its architecture and graph (the parameters are unchanged)."""
+    knobs = {k: getattr(run_model, k) for k in RUN_KNOBS}
+    if all(getattr(loaded.cfg, k) == v for k, v in knobs.items()):
+        return loaded
+    cfg = dataclasses.replace(loaded.cfg, **knobs)
+    return dataclasses.replace(loaded, cfg=cfg, graphdef=model.abstract(cfg)[0])
 
 
 def hf_dir(cfg: RunConfig, workdir: Path) -> Path:
@@ -63,10 +90,14 @@ def hf_dir(cfg: RunConfig, workdir: Path) -> Path:
 
 def hf_tokenizer(directory: Path) -> BPETokenizer:
     """The tokenizer of a Hugging Face directory (`tokenizer.json`; EOS ids from
-    `generation_config.json`)."""
+    `generation_config.json`). The demo's character tokenizer, as `bebop.export` writes it, is
+    read back as a `CharTokenizer` (raw task prompts, no chat template)."""
     tok_file = Path(directory) / "tokenizer.json"
     if not tok_file.exists():
         raise FileNotFoundError(f"{tok_file}: the policy directory needs a tokenizer.json")
+    char = read_char_tokenizer(tok_file)
+    if char is not None:
+        return char
     gen = Path(directory) / "generation_config.json"
     eos = json.loads(gen.read_text()).get("eos_token_id", 0) if gen.exists() else 0
     eos_ids = eos if isinstance(eos, list) else [eos]
@@ -87,7 +118,7 @@ def init_mtp(cfg: RunConfig, policy: LoadedPolicy, mesh):
         return graphdef, sharding.place_state(params, mesh)
     graphdef, params = mtp_lib.init(policy.cfg, cfg.mtp.num_layers, cfg.seed + 100)
     if cfg.mtp.init_from:
-        params = restore_params(Path(cfg.mtp.init_from), params, mesh)
+        params = restore_mtp(Path(cfg.mtp.init_from), params, mesh, "mtp.init_from")
     elif cfg.mtp.init == "last_layer":
         params = mtp_lib.init_from_last_layer(params, jax.device_get(policy.params))
     return graphdef, sharding.place_state(params, mesh)
@@ -113,12 +144,37 @@ def shipped_mtp(cfg: RunConfig, policy: LoadedPolicy):
     return policy.mtp
 
 
+def restore_mtp(ckpt_dir: Path, abstract, mesh, key: str):
+    """The MTP params of the checkpoints in `ckpt_dir`, checked finite; a directory that holds
+    something else (an sft or rl checkpoint, another architecture) is a `ConfigError` naming
+    `key`, what the directory holds and what was expected."""
+    from bebop.ckpt import CheckpointRestoreError, describe, saved_keys
+
+    expected = "an MTP checkpoint (an mtp stage's DIR/mtp/ckpt)"
+    try:
+        params = restore_params(ckpt_dir, abstract, mesh)
+    except CheckpointRestoreError as e:
+        raise ConfigError(
+            f"config key '{key}': {ckpt_dir} holds {describe(saved_keys(ckpt_dir))} that does "
+            f"not fit this MTP ({e}); expected {expected} of this policy with mtp.num_layers "
+            "layers"
+        ) from e
+    leaves = jax.tree.leaves(params)
+    if not leaves or not all(isinstance(x, jax.Array) for x in leaves):  # keys it does not hold
+        raise ConfigError(
+            f"config key '{key}': {ckpt_dir} holds {describe(saved_keys(ckpt_dir))}, "
+            f"expected {expected}"
+        )
+    check_finite(params, f"the MTP in {ckpt_dir}")
+    return params
+
+
 def load_mtp(cfg: RunConfig, ckpt_dir: Path, pol_cfg: ModelConfig, mesh):
     """(graphdef, params on the mesh, draft vocabulary or None) of the MTP whose checkpoints are
     in `ckpt_dir` (an `mtp` stage's `DIR/mtp/ckpt`; its draft vocabulary sits next to it)."""
     ckpt_dir = Path(ckpt_dir)
     graphdef, abstract = abstract_mtp(pol_cfg, cfg.mtp.num_layers)
-    params = restore_params(ckpt_dir, abstract, mesh)
+    params = restore_mtp(ckpt_dir, abstract, mesh, "mtp.init_from")
     vocab = mtp_lib.load_draft_vocab(ckpt_dir.parent, pol_cfg.vocab_size)
     return graphdef, params, vocab
 

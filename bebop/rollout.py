@@ -57,7 +57,8 @@ def sampling_config(cfg: RunConfig, tok, max_new_tokens: int | None = None):
 
 
 def in_process_score(reward_fn, texts, problems) -> list[float]:
-    return [float(reward_fn(t, p)) for t, p in zip(texts, problems, strict=True)]
+    pairs = zip(texts, problems, strict=True)
+    return [rewards.check_value(reward_fn(t, p), reward_fn) for t, p in pairs]
 
 
 def reward_scorer(rl: RLConfig):
@@ -102,18 +103,19 @@ class Rollouts:
     `rollouts(i, policy_version, pol_params, mtp_params, mtp_version)`.
 
     The default draft table (speculative mode, `rollout.compact` on, `rollout.draft_table`
-    empty): the first rollout drafts `rollout.num_draft` at every bucket size; after each
-    rollout, each bucket size b gets the γ in 0 .. `num_draft` with the most expected tokens per
-    second (`compaction.draft_table`): E_γ = 1 + Σ_{j<=γ} Π_{i<=j} α_i tokens per cycle of
-    t_verify(b, γ+1) + γ t_draft(b) seconds, against 1 token per t_verify(b, 1) for γ = 0; a
-    bucket keeps its γ unless another is more than `DRAFT_MARGIN` faster, and a table drafting
-    nowhere is probed at `num_draft` every `DRAFT_PROBE_EVERY` rollouts. α_i
-    is the acceptance of draft position i over the last `DRAFT_WINDOW` rollouts (accepted /
-    attempted, all rows pooled: `compaction.RunningAcceptance`); the costs are `draft_costs`
-    (`spec_compacted.bucket_costs`' layout), or measured once, after the first rollout, at its
-    prompt width plus half the token budget. The stats carry `draft_table` when it changes.
-    Not part of a checkpoint: a resumed run starts again from `num_draft` and re-measures (its
-    samples can differ from the uninterrupted run's; each is lossless).
+    empty; not for GrowMTP, which drafts `num_draft` at every bucket): the first rollout drafts
+    `rollout.num_draft` at every bucket size; after each rollout, each bucket size b gets the γ
+    in 0 .. `num_draft` with the most expected tokens per second (`compaction.draft_table`): E_γ
+    = 1 + Σ_{j<=γ} Π_{i<=j} α_i tokens per cycle of t_verify(b, γ+1) + γ t_draft(b) seconds,
+    against 1 token per t_verify(b, 1) for γ = 0; a bucket keeps its γ unless another is more
+    than `DRAFT_MARGIN` faster, and a table drafting nowhere is probed at `num_draft` every
+    `DRAFT_PROBE_EVERY` rollouts. α_i is the acceptance of draft position i over the last
+    `DRAFT_WINDOW` rollouts (accepted / attempted, all rows pooled:
+    `compaction.RunningAcceptance`); the costs are `draft_costs` (`spec_compacted.bucket_costs`'
+    layout), or measured once, after the first rollout, at its prompt width plus half the token
+    budget. The stats carry `draft_table` when it changes. Not part of a checkpoint: a resumed
+    run starts again from `num_draft` and re-measures (its samples can differ from the
+    uninterrupted run's; each is lossless).
 
     A batch's rows come in GRPO groups (`prompts`), so where the batch is host arrays (no mesh
     to spread over, or compaction on) the samplers prefill each group's prompt once
@@ -165,9 +167,12 @@ class Rollouts:
         self.spec = None
         if r.mode != "plain":
             self.spec = speculative.SpecConfig(r.num_draft, r.mode, record=record)
-        # The draft table: `rollout.draft_table`, or derived (see the class docstring).
+        # The draft table: `rollout.draft_table`, or derived (see the class docstring). GrowMTP
+        # drafts `num_draft` at every bucket: its DCA trains the steps its cycles drafted (a
+        # γ = 0 bucket records 1-token cycles), and a new head would be derived γ = 0 throughout.
         self.table, self.acceptance, self.draft_costs = r.draft_table, None, draft_costs
-        if self.spec is not None and r.compact and not r.draft_table:
+        grow = cfg.rl.mtp_strategy == "growmtp"
+        if self.spec is not None and r.compact and not r.draft_table and not grow:
             if jax.process_count() > 1 and draft_costs is None:
                 # each process would time its own costs and could pick another table (program)
                 raise ConfigError(

@@ -101,33 +101,39 @@ def check_prompt_groups(prompt_BxP, prompt_lens_B, group: int) -> None:
         )
 
 
-def process_logits(logits_BxV: jax.Array, cfg: SamplingConfig) -> jax.Array:
+def process_logits(logits_BxV: jax.Array, cfg: SamplingConfig, keep_B=None) -> jax.Array:
     """Log-probs of the distribution actually sampled from: temperature, then top-k, then top-p;
-    -inf outside the support. Temperature 0 is greedy: a one-hot at the argmax."""
+    -inf outside the support. Temperature 0 is greedy: a one-hot at the argmax. `keep_B`: token
+    ids (one per row) known to be in the support -- the tokens the sampler drew, for a learner
+    that recomputes the support from logits that differ from the sampler's by rounding (bf16):
+    a drawn token on the support's edge stays in it instead of getting -inf (ratio 0)."""
     logits = logits_BxV.astype(jnp.float32)
+    kept = False if keep_B is None else jnp.arange(logits.shape[-1]) == keep_B[..., None]
     if cfg.temperature == 0:
         top = argmax(logits)[..., None]
         return jnp.where(jnp.arange(logits.shape[-1]) == top, 0.0, -jnp.inf)
     logits = logits / cfg.temperature
     if cfg.top_k and cfg.top_k < logits.shape[-1]:
         kth = jax.lax.top_k(logits, cfg.top_k)[0][..., -1:]
-        logits = jnp.where(logits >= kth, logits, -jnp.inf)
+        logits = jnp.where((logits >= kth) | kept, logits, -jnp.inf)
     logp = jax.nn.log_softmax(logits, axis=-1)
     if cfg.top_p < 1.0:
         sorted_logp = jnp.sort(logp, axis=-1)[..., ::-1]
         cum_before = jnp.cumsum(jnp.exp(sorted_logp), axis=-1) - jnp.exp(sorted_logp)
         keep_sorted = cum_before < cfg.top_p  # always keeps the most likely token
         threshold = jnp.min(jnp.where(keep_sorted, sorted_logp, jnp.inf), axis=-1, keepdims=True)
-        logp = jax.nn.log_softmax(jnp.where(logp >= threshold, logp, -jnp.inf), axis=-1)
+        logp = jnp.where((logp >= threshold) | kept, logp, -jnp.inf)
+        logp = jax.nn.log_softmax(logp, axis=-1)
     return logp
 
 
-def stats_logprobs(logits_BxV: jax.Array, cfg: SamplingConfig) -> jax.Array:
+def stats_logprobs(logits_BxV: jax.Array, cfg: SamplingConfig, keep_B=None) -> jax.Array:
     """The distribution whose log-prob and entropy are recorded: the sampling one, except under
-    greedy decoding, where the untempered softmax (with the same top-k/top-p) is more useful."""
+    greedy decoding, where the untempered softmax (with the same top-k/top-p) is more useful.
+    `keep_B`: as `process_logits`."""
     if cfg.temperature == 0:
         cfg = dataclasses.replace(cfg, temperature=1.0)
-    return process_logits(logits_BxV, cfg)
+    return process_logits(logits_BxV, cfg, keep_B)
 
 
 def entropy(logp_BxV: jax.Array) -> jax.Array:

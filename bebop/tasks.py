@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import importlib
 import json
 import re
 from collections.abc import Callable
@@ -193,16 +194,16 @@ def countdown_reward(text: str, problem: CountdownProblem) -> float:
 class WordProblem:
     question: str
     answer: float
+    where: str = dataclasses.field(default="", compare=False)  # "file:line" of a file's record
 
 
-def load_gsm8k_jsonl(path) -> list[WordProblem]:
-    """GSM8K-style JSONL: {"question": ..., "answer": "... #### 42"} (or a bare number).
+def _jsonl_records(path):
+    """(where, record) of each non-empty line of a JSONL file: "file:line" and a dict.
 
     UTF-8, a leading byte-order mark allowed. Records are split on newlines only (JSON strings
     may hold other Unicode line breaks), so a bad record's reported line number is the line an
     editor shows. Every problem raises `DamagedFileError` naming the file and line."""
     raw = Path(path).read_bytes()
-    out = []
     for i, line_bytes in enumerate(raw.split(b"\n")):
         where = f"{path}:{i + 1}"
         try:
@@ -216,12 +217,42 @@ def load_gsm8k_jsonl(path) -> list[WordProblem]:
             rec = json.loads(line)
         except json.JSONDecodeError as e:
             raise DamagedFileError(f"{where}: invalid JSON at column {e.colno}: {e.msg}") from e
-        if not isinstance(rec, dict) or "question" not in rec or "answer" not in rec:
-            raise DamagedFileError(f"{where}: needs 'question' and 'answer' fields")
-        ans = extract_number(str(rec["answer"]).rpartition("####")[2])
+        if not isinstance(rec, dict):
+            raise DamagedFileError(f"{where}: expected a JSON object, got {type(rec).__name__}")
+        yield where, rec
+
+
+def _text_field(rec: dict, key: str, where: str, required: bool = True) -> str | None:
+    value = rec.get(key)
+    if value is None and not required:
+        return None
+    if not isinstance(value, str) or not value.strip():
+        got = "missing" if key not in rec else repr(value)[:80]
+        raise DamagedFileError(f"{where}: {key!r} must be a non-empty string, got {got}")
+    return value
+
+
+def _answer_field(rec: dict, key: str, where: str) -> str:
+    """A record's answer as text: a string or a number (not a bool, list, object or null)."""
+    value = rec.get(key)
+    ok = isinstance(value, str | int | float) and not isinstance(value, bool)
+    if not ok or (isinstance(value, float) and not np.isfinite(value)):
+        got = "missing" if key not in rec else repr(value)[:80]
+        raise DamagedFileError(f"{where}: {key!r} must be a string or a number, got {got}")
+    return str(value)
+
+
+def load_gsm8k_jsonl(path) -> list[WordProblem]:
+    """GSM8K-style JSONL: {"question": ..., "answer": "... #### 42"} (or a bare number); the
+    question a non-empty string. See `_jsonl_records` for the file format and errors."""
+    out = []
+    for where, rec in _jsonl_records(path):
+        question = _text_field(rec, "question", where)
+        answer = _answer_field(rec, "answer", where)
+        ans = extract_number(answer.rpartition("####")[2])
         if ans is None:
             raise DamagedFileError(f"{where}: no numeric final answer in {rec['answer']!r}")
-        out.append(WordProblem(str(rec["question"]), ans))
+        out.append(WordProblem(question, ans, where))
     if not out:
         raise DamagedFileError(f"{path}: no problems (empty file)")
     return out
@@ -332,7 +363,11 @@ def gsm8k(cfg: TaskConfig) -> Task:
     """A GSM8K-style file split once into `task.eval_size` held-out problems (a fixed seeded
     choice: the same for every run on the file) and the rest; a stream draws the rest in a fresh
     seeded order every epoch (each problem once per epoch), evaluation the held-out ones."""
-    probs = load_gsm8k_jsonl(cfg.path)
+    return _file_task(cfg, load_gsm8k_jsonl(cfg.path), gsm8k_prompt_ids, gsm8k_reward)
+
+
+def _file_task(cfg: TaskConfig, probs: list, prompt_ids, reward_fn) -> Task:
+    """The problems of a file as a task: held-out split and epoch order as `gsm8k`'s."""
     if len(probs) <= cfg.eval_size:
         raise ValueError(
             f"task.path={cfg.path}: {len(probs)} problems, need more than task.eval_size="
@@ -353,7 +388,7 @@ def gsm8k(cfg: TaskConfig) -> Task:
         del seed  # one fixed evaluation set
         return probs[held[i % len(held)]]
 
-    return Task(problem, gsm8k_prompt_ids, gsm8k_reward, held_out)
+    return Task(problem, prompt_ids, reward_fn, held_out)
 
 
 def wordmath_prompt_ids(tok, p: WordProblem) -> list[int]:
@@ -369,8 +404,144 @@ def wordmath(cfg: TaskConfig) -> Task:
     )
 
 
-TASKS = {"arithmetic": arithmetic, "countdown": countdown, "gsm8k": gsm8k, "wordmath": wordmath}
+# ----------------------------------------------------------------------------- your own task
+
+
+@dataclasses.dataclass(frozen=True)
+class JsonlProblem:
+    """One line of a `task.name=jsonl` file: the prompt (a user message), the reference answer as
+    text, an optional system message, the line's JSON text (what a `task.reward` function gets,
+    parsed) and where it is ("file:line")."""
+
+    prompt: str
+    answer: str
+    system: str | None
+    record: str
+    where: str = dataclasses.field(default="", compare=False)
+
+
+def load_jsonl_task(path) -> list[JsonlProblem]:
+    """A JSONL file of {"prompt": str, "answer": str | number[, "system": str], ...}; other
+    fields are kept for the reward function. Errors name the file and line."""
+    out = []
+    for where, rec in _jsonl_records(path):
+        prompt = _text_field(rec, "prompt", where)
+        answer = _answer_field(rec, "answer", where)
+        system = _text_field(rec, "system", where, required=False)
+        out.append(JsonlProblem(prompt, answer, system, json.dumps(rec), where))
+    if not out:
+        raise DamagedFileError(f"{path}: no problems (empty file)")
+    return out
+
+
+def final_answer(text: str) -> str:
+    """A completion's final answer: the text after the last '####' if present, else its last
+    non-empty line, stripped."""
+    text = text[-2000:]
+    if "####" in text:
+        return text.rpartition("####")[2].strip()
+    lines = [line.strip() for line in text.splitlines() if line.strip()]
+    return lines[-1] if lines else ""
+
+
+def jsonl_exact_match(text: str, problem: JsonlProblem) -> float:
+    """The default `jsonl` reward: 1 if the final answer (`final_answer`) equals the record's
+    answer -- as numbers when both are numbers (commas as thousands separators), else as text."""
+    got, want = final_answer(text), problem.answer.strip()
+    a, b = extract_number(got), extract_number(want)
+    full = _NUMBER.fullmatch
+    if a is not None and b is not None and full(got.replace(" ", "")) and full(want):
+        return 1.0 if abs(a - b) < 1e-9 * max(1.0, abs(b)) else 0.0
+    return 1.0 if got == want else 0.0
+
+
+def load_reward(spec: str):
+    """The function named by `task.reward` ("package.module:function"), or a `ConfigError`
+    naming the key: the module does not import, has no such attribute, or it is not callable."""
+    from bebop.config import ConfigError
+
+    mod_name, _, fn_name = spec.partition(":")
+    try:
+        module = importlib.import_module(mod_name)
+    except Exception as e:  # noqa: BLE001 - any import failure is the user's module's
+        raise ConfigError(
+            f"config key 'task.reward': cannot import {mod_name!r} ({type(e).__name__}: {e}); "
+            "the module must be importable from the working directory (or PYTHONPATH)"
+        ) from e
+    fn = getattr(module, fn_name, None)
+    if not callable(fn):
+        raise ConfigError(f"config key 'task.reward': {mod_name} has no function {fn_name!r}")
+    return fn
+
+
+@dataclasses.dataclass(frozen=True)
+class UserReward:
+    """`task.reward`: `function(completion, record)` with the record as a fresh dict. Picklable
+    by name, so it runs in the reward worker processes (which import the module themselves)."""
+
+    spec: str
+
+    def __call__(self, text: str, problem: JsonlProblem):
+        return load_reward(self.spec)(text, json.loads(problem.record))
+
+
+def jsonl_prompt_ids(tok, p: JsonlProblem) -> list[int]:
+    """A chat model gets the optional system message and the prompt as a user message; a
+    character-level policy the raw prompt."""
+    if not tok.is_chat:
+        try:
+            return tok.encode(p.prompt, bos=True)
+        except ValueError as e:
+            raise DamagedFileError(f"{p.where}: {e} (the policy is character-level)") from e
+    system = [{"role": "system", "content": p.system}] if p.system else []
+    return tok.chat([*system, {"role": "user", "content": p.prompt}])
+
+
+def jsonl(cfg: TaskConfig) -> Task:
+    """Your own task (`task.name=jsonl`): the problems of `task.path`, split and ordered as
+    `gsm8k`'s, scored by `task.reward` (default `jsonl_exact_match`). The reward runs like the
+    built-in ones: in worker processes, under `rl.reward_timeout_s`, its value checked."""
+    reward_fn = jsonl_exact_match
+    if cfg.reward:
+        load_reward(cfg.reward)  # fails now, naming the key, not in a worker
+        reward_fn = UserReward(cfg.reward)
+    return _file_task(cfg, load_jsonl_task(cfg.path), jsonl_prompt_ids, reward_fn)
+
+
+TASKS = {
+    "arithmetic": arithmetic,
+    "countdown": countdown,
+    "gsm8k": gsm8k,
+    "wordmath": wordmath,
+    "jsonl": jsonl,
+}
+
+# A prompt longer than this many tokens is a damaged record, not a problem: with the new tokens
+# its KV cache would not fit any supported model's positions (32,768 to 131,072) or memory.
+MAX_PROMPT_TOKENS = 16384
+
+
+class PromptTooLongError(DamagedFileError):
+    """A task prompt exceeds `MAX_PROMPT_TOKENS`; the message names the record."""
+
+
+def _checked(prompt_ids):
+    def checked(tok, problem) -> list[int]:
+        ids = prompt_ids(tok, problem)
+        if len(ids) > MAX_PROMPT_TOKENS:
+            where = getattr(problem, "where", "") or f"the problem {str(problem)[:80]!r}"
+            raise PromptTooLongError(
+                f"{where}: the prompt is {len(ids)} tokens, more than the supported "
+                f"{MAX_PROMPT_TOKENS} (with the new tokens it would not fit the model's positions "
+                "or the KV cache)"
+            )
+        return ids
+
+    return checked
 
 
 def make_task(cfg: TaskConfig) -> Task:
-    return TASKS[cfg.name](cfg)
+    """The task `cfg` names; its prompts are checked against `MAX_PROMPT_TOKENS` before any
+    sampler allocates a cache for them."""
+    task = TASKS[cfg.name](cfg)
+    return dataclasses.replace(task, prompt_ids=_checked(task.prompt_ids))

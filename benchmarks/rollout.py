@@ -3,6 +3,16 @@
     python benchmarks/rollout.py --model demo --workdir runs/demo          # a finished demo run
     python benchmarks/rollout.py --model smollm2 [--mtp_ckpt runs/mtp_smollm2/mtp/ckpt]
         [--config configs/rl_smollm2.py]   # the RL task's prompts (default: the MTP config's)
+    python benchmarks/rollout.py --model random --shape qwen3_8b --layers 4 --dtype bfloat16 \\
+        --batches 1,8,64,256 --gammas 3 --costs_only --alphas 0.6,0.7,0.8,0.9
+
+`--dtype`: the policy's (and MTP's) compute dtype (default: the run's or config's own).
+`--model random`: a random-weight policy of a real shape (`benchmarks/shapes.py`) with a random
+MTP and prompts of random tokens, no EOS; a random MTP accepts almost nothing, so its measured
+speedups say little: `--costs_only` times only the loop costs (verify, draft, a cycle) per batch
+and reports the rollout speedup the cost model predicts at each stated per-position acceptance
+of `--alphas`: expected_tokens(α, γ) · t_verify(1) / (t_verify(γ+1) + γ t_draft) (the loop's
+set-up and EOS left out). Every row also carries that prediction (`predicted_at_alpha`).
 
 Prompts: `--num_prompts` (default 16) held-out prompts of the RL task (`wordmath` for SmolLM2,
 arithmetic for the demo; `--prompts mixed` for chat requests), padded to one width; a batch of B
@@ -44,6 +54,7 @@ Last line: one JSON object.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import sys
 import time
@@ -54,6 +65,7 @@ import jax.numpy as jnp
 import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from bebop import config as config_lib  # noqa: E402
 from bebop import model, prompts, sampling, sharding, spec_compacted, speculative  # noqa: E402
@@ -63,6 +75,26 @@ REPO = Path(__file__).resolve().parents[1]
 COST_ITERS = 16  # iterations of each verify/draft cost loop
 
 
+def with_dtype(cfg, dtype: str):
+    """`cfg` with the policy's compute dtype `dtype` ("" or None: unchanged)."""
+    if not dtype:
+        return cfg
+    return dataclasses.replace(cfg, model=dataclasses.replace(cfg.model, dtype=dtype))
+
+
+def predicted_at(alphas, gamma: int, costs: dict) -> dict:
+    """The rollout speedup the cost model predicts at each per-position acceptance α of
+    `alphas`: expected_tokens(α, γ) plain steps' worth of tokens per cycle, a plain step costing
+    one 1-token verify, a cycle one (γ+1)-token verify and γ draft steps (`costs`:
+    `spec_compacted.loop_costs`' seconds)."""
+    from bebop import compaction
+
+    cycle = costs[f"verify_{gamma + 1}"] + gamma * costs["draft"]
+    return {
+        f"{a:g}": compaction.expected_tokens(a, gamma) * costs["verify_1"] / cycle for a in alphas
+    }
+
+
 def load_models(args, mesh):
     """(policy, mtp, draft vocabulary, tokenizer, prompt ids, mtp source)."""
     if args.model == "demo":
@@ -70,6 +102,7 @@ def load_models(args, mesh):
         cfg = config_lib.from_dict(
             config_lib.RunConfig, json.loads((wd / "config.json").read_text())
         )
+        cfg = with_dtype(cfg, getattr(args, "dtype", ""))
         from bebop import mtp_train, policies
 
         policy = policies.load(cfg, wd, mesh)
@@ -78,9 +111,18 @@ def load_models(args, mesh):
         vocab = mtp_train.load_draft_vocab(wd / "mtp", cfg.model.vocab_size)
         ids = prompts.prompt_ids(cfg, tok, args.num_prompts, "bench", args.prompts)
         return (pol_gd, pol_params), mtp, vocab, tok, ids, "trained (demo mtp stage)"
+    if args.model == "random":
+        import shapes
+
+        pcfg = shapes.model_config(args.shape, args.layers, args.dtype or "float32")
+        pol = shapes.random_params(pcfg)  # drawn on the device
+        mtp_gd, mtp_params = mtp_lib.init(pcfg, 1, seed=0)
+        ids = shapes.random_prompts(pcfg, args.num_prompts)
+        return pol, (mtp_gd, mtp_params), None, shapes.RandomTokenizer(), ids, "random init"
     from bebop import policies
 
     cfg, _ = config_lib.load(str(REPO / args.config))  # the task whose prompts are timed
+    cfg = with_dtype(cfg, args.dtype)
     policy = policies.load(cfg, Path("."), mesh)
     pol_gd, pol_params, tok, pol_cfg = policy.graphdef, policy.params, policy.tok, policy.cfg
     mtp_gd, mtp_params = mtp_lib.init(pol_cfg, 1, seed=0)
@@ -162,9 +204,44 @@ def interleaved(passes: dict, timers: dict, parts, repeats: int):
     return secs, costs, outs
 
 
+def cost_rows(timers, batch: int, gammas, alphas, repeats: int) -> list[dict]:
+    """`--costs_only`: per γ, the loop costs at `batch` rows (median of `repeats` rounds of
+    `spec_compacted.time_costs`), in ms and in 1-token verifies (a plain step), and the rollout
+    speedups the cost model predicts at `alphas` (`predicted_at`)."""
+    rounds = [spec_compacted.time_costs(timers, COST_ITERS) for _ in range(repeats)]
+    costs = {k: float(np.median([r[k] for r in rounds])) for k in rounds[0]}
+    out = []
+    for g in gammas:
+        cycle = costs[f"verify_{g + 1}"] + g * costs["draft"]
+        row = {
+            "batch": batch,
+            "gamma": g,
+            "step_ms": 1e3 * costs["verify_1"],
+            "verify_ms": 1e3 * costs[f"verify_{g + 1}"],
+            "draft_ms": 1e3 * costs["draft"],
+            "cycle_ms": 1e3 * cycle,
+            "verify_cost": costs[f"verify_{g + 1}"] / costs["verify_1"],
+            "draft_cost": costs["draft"] / costs["verify_1"],
+            "predicted_at_alpha": predicted_at(alphas, g, costs),
+        }
+        out.append(row)
+        pred = "  ".join(f"α={a} {v:.2f}x" for a, v in row["predicted_at_alpha"].items())
+        print(
+            f"B={batch:3d} γ={g} step {row['step_ms']:.2f} ms  verify {row['verify_cost']:.2f}x "
+            f" draft {row['draft_cost']:.2f}x  cycle {row['cycle_ms']:.2f} ms  predicted {pred}",
+            flush=True,
+        )
+    return out
+
+
 def main():
     ap = argparse.ArgumentParser()
-    ap.add_argument("--model", choices=["demo", "smollm2"], default="demo")
+    ap.add_argument("--model", choices=["demo", "smollm2", "random"], default="demo")
+    ap.add_argument("--shape", default="smollm2", help="--model random: benchmarks/shapes.py")
+    ap.add_argument("--layers", type=int, default=0, help="--model random: first N layers (0: all)")
+    ap.add_argument("--dtype", choices=["", "float32", "bfloat16"], default="")
+    ap.add_argument("--costs_only", action="store_true", help="loop costs + predicted speedups")
+    ap.add_argument("--alphas", default="0.6,0.7,0.8,0.9", help="acceptances for the prediction")
     ap.add_argument("--workdir", default="runs/demo")
     ap.add_argument("--mtp_ckpt", default="")
     ap.add_argument(
@@ -187,6 +264,7 @@ def main():
     gammas = [int(x) for x in args.gammas.split(",")]
     temps = [float(x) for x in args.temps.split(",")]
     rules = args.rules.split(",")
+    alphas = [float(x) for x in args.alphas.split(",")]
 
     mesh = sharding.make_mesh(config_lib.MeshConfig(data=1), jax.devices()[:1])
     pol, mtp, vocab, tok, ids, mtp_source = load_models(args, mesh)
@@ -200,6 +278,10 @@ def main():
         timers = spec_compacted.loop_cost_timers(
             pol, layers, mtp, vocab, b, context, gammas, COST_ITERS
         )
+        if args.costs_only:
+            rows += cost_rows(timers, b, gammas, alphas, args.repeats)
+            print(json.dumps({"rows": rows}), flush=True)  # the figures so far
+            continue
         for temp in temps:
             scfg = sampling_config(tok, temp, args.new_tokens)
             keys = jax.random.split(jax.random.key(0), len(parts))
@@ -278,6 +360,9 @@ def main():
                     "setup_ms_spec": 1e3 * min(secs[("setup", g, rule)]) / len(parts),
                     "plain_tokens": plain_tokens,
                     "spec_tokens": summ["tokens"],
+                    "predicted_at_alpha": predicted_at(
+                        alphas, g, {k: float(np.median([c[k] for c in costs])) for k in costs[0]}
+                    ),
                 }
                 rows.append(row)
                 per_pos = " / ".join(f"{row[f'accept_rate_{k}']:.2f}" for k in range(1, g + 1))
@@ -292,11 +377,14 @@ def main():
                     f"verify {row['verify_cost']:.2f}x  draft {row['draft_cost']:.2f}x",
                     flush=True,
                 )
-    best = max(rows, key=lambda r: r["speedup"])
+    best = None if args.costs_only else max(rows, key=lambda r: r["speedup"])
     print(
         json.dumps(
             {
-                "model": args.model,
+                "model": args.model if args.model != "random" else f"random {args.shape}",
+                "layers": model.graphdef_config(*pol).num_layers,
+                "dtype": model.graphdef_config(*pol).dtype,
+                "device": jax.devices()[0].device_kind,
                 "mtp": mtp_source,
                 "new_tokens": args.new_tokens,
                 "prompts": f"{args.num_prompts} {args.prompts}",

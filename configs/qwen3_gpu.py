@@ -24,9 +24,20 @@ def get_config(arg=None):
     c.distill.update(num_samples=8192, batch_size=256)
     c.mtp.update(steps=2000, batch_size=64, chunk=16384)
     c.rl.update(steps=500, prompts_per_step=64, group_size=16, max_staleness=1)
+    memory_knobs(c, budget_gb=20.0)
     if a.runlocal:
         smoke(c)
     return c
+
+
+def memory_knobs(c, budget_gb: float):
+    """What lets the learner's step fit an accelerator at 1k-2k-token rows: each block
+    recomputed in the backward, attention 512 queries at a time (never [B, H, S, S] float32
+    scores), log-probs 256 positions at a time (never [B, S, V] float32 logits), and the rows per
+    accumulation chunk chosen so the estimated activations fit `budget_gb` per device (what the
+    device's memory leaves after params, AdamW state, weight store and KV caches)."""
+    c.model.update(remat="block", attention="chunked", attention_chunk=512)
+    c.rl.update(microbatch=-1, memory_budget_gb=budget_gb, logit_chunk=256)
 
 
 def smoke(c):

@@ -25,6 +25,7 @@ def get_config(arg=None):
     c.distill.update(num_samples=32768, batch_size=1024)
     c.mtp.update(steps=4000, batch_size=256, chunk=16384)
     c.rl.update(steps=1000, prompts_per_step=256, group_size=16, max_staleness=2)
+    qwen3_gpu.memory_knobs(c, budget_gb=24.0)  # a v5p chip: 95 GB
     if a.runlocal:  # the smoke run of configs/qwen3_gpu.py, on this host's devices
         qwen3_gpu.smoke(c)
         c.distributed.auto = False

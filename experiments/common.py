@@ -44,13 +44,16 @@ def link_tree(src: Path, dst: Path) -> None:
         shutil.copytree(src, dst, copy_function=os.link)
 
 
-def base_run(workdir: Path, config: str = "configs/demo.py") -> Path:
-    """A run of `config` whose `sft` and `mtp` stages are finished: `workdir` as it is if so
-    (e.g. the demo's `runs/demo`), else those stages are trained there first."""
+def base_run(
+    workdir: Path, config: str = "configs/demo.py", stages=("sft", "distill", "mtp"), extra=()
+) -> Path:
+    """A run of `config` whose `stages` (the last: `mtp`) are finished: `workdir` as it is if so
+    (e.g. the demo's `runs/demo`), else those stages are trained there first (with `extra`
+    overrides)."""
     workdir = Path(workdir).absolute()
     if not (workdir / "mtp" / "summary.json").exists():
-        print(f"training the base run (sft, distill, mtp) in {workdir}", flush=True)
-        launch(config, workdir, ["stages=('sft','distill','mtp')"])
+        print(f"training the base run ({', '.join(stages)}) in {workdir}", flush=True)
+        launch(config, workdir, [f"stages={tuple(stages)!r}", *extra])
     return workdir
 
 
@@ -97,7 +100,8 @@ def run_arm(
     if not done.exists():
         shutil.rmtree(wd, ignore_errors=True)
         wd.mkdir(parents=True)
-        link_tree(base / "sft", wd / "sft")
+        if (base / "sft").exists():  # a policy of its own (not a GGUF / HF checkpoint)
+            link_tree(base / "sft", wd / "sft")
         init = [f"mtp.init_from={str(base / 'mtp' / 'ckpt')!r}"] if arm.pretrained else []
         t0 = time.perf_counter()
         launch(config, wd, ["stages=('rl',)", *init, *extra, *arm.overrides])
@@ -197,32 +201,118 @@ STUDY2_ARMS = {
             "frozen MTP, RS, tail-aware, derived draft table",
             ("rollout.compact=True",),
         ),
+        Arm(
+            "plain_compact_sync",
+            "plain, tail-aware, synchronous",
+            ("rollout.mode='plain'", "rollout.compact=True", "rl.max_staleness=0"),
+            False,
+        ),
+        Arm(
+            "frozen_rs_compact_sync",
+            "frozen MTP, RS, tail-aware, derived draft table, synchronous",
+            ("rollout.compact=True", "rl.max_staleness=0"),
+        ),
     )
 }
 
 
-def study2_arms(names, base: Path, root: Path) -> dict[str, ArmResult]:
-    return {n: run_arm(STUDY2_ARMS[n], base, root, extra=STUDY2_EXTRA) for n in names}
+@dataclasses.dataclass(frozen=True)
+class Model:
+    """What a study-2 script runs on (`--model`): the arms' config; the base run every arm
+    starts from (its config and stages: the policy and the pre-RL MTP); default directories; the
+    results file in the study's directory; overrides every arm gets; the figures' setting."""
+
+    config: str
+    base_config: str
+    base_stages: tuple[str, ...]
+    base: str
+    study2_root: str
+    timed_root: str
+    results: str
+    extra: tuple[str, ...]
+    setting: str
+
+
+MODELS = {
+    "demo": Model(
+        "configs/demo.py",
+        "configs/demo.py",
+        ("sft", "distill", "mtp"),
+        "runs/demo",
+        STUDY2_ROOT,
+        TIMED_ROOT,
+        "results.json",
+        STUDY2_EXTRA,
+        "demo GRPO, T = 0.7, γ = 2, 128 rows/step",
+    ),
+    # `configs/rl_smollm2.py`'s task (40 GRPO steps of 4 prompts x 8, T = 0.7, γ = 3, greedy
+    # accuracy every 10 steps) from one run of the recipe's MTP (`configs/mtp_smollm2.py`:
+    # distil + MTP; the policy is the GGUF's). Its config turns tail-aware rollouts on: static
+    # arms turn them off (arms that set `rollout.compact=True` come after).
+    "smollm2": Model(
+        "configs/rl_smollm2.py",
+        "configs/mtp_smollm2.py",
+        ("distill", "mtp"),
+        "runs/mtp_smollm2",
+        "runs/exp_mtp_in_rl_smollm2",
+        "runs/exp_rl_speed_smollm2",
+        "results_smollm2.json",
+        ("rollout.compact=False",),
+        "SmolLM2-135M GRPO (wordmath), T = 0.7, γ = 3, 32 rows/step",
+    ),
+}
+
+
+def study2_arms(names, base: Path, root: Path, args=None) -> dict[str, ArmResult]:
+    """The arms `names` from `base` in `root`; `args` (`study2_parser`'s): the model's config
+    (`:runlocal` with `--runlocal`) and overrides, then `--extra`."""
+    m = MODELS[getattr(args, "model", "demo")]
+    config = m.config + (":runlocal" if getattr(args, "runlocal", False) else "")
+    extra = (*m.extra, *getattr(args, "extra", ()))
+    return {n: run_arm(STUDY2_ARMS[n], base, root, config, extra) for n in names}
 
 
 def study2_parser(root: str) -> argparse.ArgumentParser:
-    """The study-2 scripts' common flags."""
+    """The study-2 scripts' common flags (`root`: the demo's arm directory; `study2_base`
+    resolves the model's defaults)."""
     ap = argparse.ArgumentParser()
-    ap.add_argument("--base", default="runs/demo", help="a finished demo run (sft + mtp)")
-    ap.add_argument("--workdir", default=root, help="where the arms' runs land")
+    ap.add_argument("--model", choices=sorted(MODELS), default="demo")
+    ap.add_argument("--base", default=None, help="a finished base run (default: the model's)")
+    ap.add_argument("--workdir", default=None, help=f"where the arms' runs land (demo: {root})")
     ap.add_argument("--window", type=int, default=10, help="steps per window / running mean")
+    ap.add_argument("--runlocal", action="store_true", help="the configs' :runlocal smoke settings")
+    ap.add_argument(
+        "--extra", action="append", default=[], help="an override for every arm (repeatable)"
+    )
     return ap
 
 
-def report(here: Path, study: str, base: Path, results: dict[str, ArmResult], t0: float, **fields):
-    """Writes `here/results.json` and prints it as the script's last line."""
+def study2_base(args, root_attr: str) -> tuple[Path, Path]:
+    """(base run, trained first if needed; the arms' directory) of parsed `study2_parser`
+    flags; `root_attr`: the `Model` field of the default arm directory."""
+    m = MODELS[args.model]
+    local = ":runlocal" if args.runlocal else ""
+    base = base_run(Path(args.base or m.base), m.base_config + local, m.base_stages)
+    return base, Path(args.workdir or getattr(m, root_attr))
+
+
+def report(
+    here: Path,
+    study: str,
+    base: Path,
+    results: dict[str, ArmResult],
+    t0: float,
+    model: str = "demo",
+    **fields,
+):
+    """Writes the model's results file in `here` and prints it as the script's last line."""
     out = {
         "study": study,
-        "model": "demo",
+        "model": model,
         "base": str(base),
         **fields,
         "arm_wall_s": {n: r.wall_s for n, r in results.items()},
         "wall_s": time.perf_counter() - t0,
     }
-    write_json(here / "results.json", out)
+    write_json(here / MODELS[model].results, out)
     print(json.dumps(out))

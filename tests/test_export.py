@@ -119,7 +119,8 @@ def test_load_returns_one_type_for_every_source_and_keeps_shipped_mtp(sources, t
     with_mtp = policies.load(_hf_run(tmp_path / "a", root / "mtp"), tmp_path / "a", mesh)
     assert isinstance(with_mtp, LoadedPolicy) and with_mtp.cfg.qk_norm
     assert (with_mtp.cfg.num_layers, with_mtp.cfg.vocab_size) == (2, 96)
-    assert isinstance(with_mtp.tok, BPETokenizer) and with_mtp.tok.eos_ids == (2,)
+    # the source ships the demo's character tokenizer: read back as one (raw task prompts)
+    assert isinstance(with_mtp.tok, CharTokenizer) and with_mtp.tok.eos_ids == (2,)
     assert with_mtp.mtp is not None and with_mtp.mtp_format == "qwen3_5"
     _equal(with_mtp.mtp[1], mparams)
     plain = policies.load(_hf_run(tmp_path / "b", root / "plain"), tmp_path / "b", mesh)

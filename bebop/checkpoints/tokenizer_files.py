@@ -75,3 +75,28 @@ def write_tokenizer(out: Path, cfg, tok, hf_source: Path | None = None) -> dict:
         tok_cfg["chat_template"] = template
     (out / "tokenizer_config.json").write_text(json.dumps(tok_cfg, indent=2))
     return ids
+
+
+def read_char_tokenizer(path: Path) -> CharTokenizer | None:
+    """The `CharTokenizer` a `tokenizer.json` is the export of (`char_tokenizer_json`: a BPE
+    without merges whose vocabulary is the demo's specials, then one character per id), or None
+    for any other tokenizer. The demo policy reads raw prompts: read back as a chat tokenizer, its
+    prompts would be wrapped in a chat template of characters it has never seen."""
+    try:
+        spec = json.loads(Path(path).read_text(encoding="utf-8"))
+        model = spec["model"]
+        if model.get("type") != "BPE" or model.get("merges"):
+            return None
+        vocab = sorted(model["vocab"].items(), key=lambda kv: kv[1])
+    except (OSError, ValueError, KeyError, TypeError, AttributeError):
+        return None
+    specials = CharTokenizer.specials
+    tokens = [t for t, _ in vocab]
+    if [i for _, i in vocab] != list(range(len(vocab))) or tuple(
+        tokens[: len(specials)]
+    ) != specials:
+        return None
+    alphabet = tokens[len(specials) :]
+    if not alphabet or any(len(t) != 1 for t in alphabet) or len(set(alphabet)) != len(alphabet):
+        return None
+    return CharTokenizer("".join(alphabet))

@@ -31,15 +31,19 @@ DRAFT_TOKEN_DTYPE = np.dtype([
 
 def rollout_stats(rewards_N: np.ndarray, group_size: int, sample, spec_out, total=None) -> dict:
     """Per-step figures of one rollout batch: rewards (mean, std, share of groups whose rewards
-    are all equal: zero advantage, no gradient), lengths, entropy, and with a speculative sampler
+    are all equal: zero advantage, no gradient), lengths (mean, and rows per length:
+    `response_len_hist`), entropy, and with a speculative sampler
     what `speculative.summarize` reports (per-position acceptance, accept-length histogram).
     `rewards_N`: the whole batch's; `sample` / `spec_out`: host arrays of some of its rows,
     whose sums `total` adds up over the processes that hold the others
     (`sharding.sum_over_processes`; default: these are all the rows)."""
     total = total or (lambda sums: sums)
     groups = rewards_N.reshape(-1, group_size)
+    lengths = np.asarray(sample.lengths)
     sums = {
-        "tokens": np.int64(np.asarray(sample.lengths).sum()),
+        "tokens": np.int64(lengths.sum()),
+        # rows per response length 0 .. budget: what the cost model's rollout time reads
+        "len_hist": np.bincount(lengths, minlength=np.asarray(sample.tokens).shape[1] + 1),
         "entropy": np.float64(np.asarray(sample.entropy).sum()),
     }
     if spec_out is not None:
@@ -51,6 +55,7 @@ def rollout_stats(rewards_N: np.ndarray, group_size: int, sample, spec_out, tota
         "zero_std_frac": float((groups.std(axis=1) == 0).mean()),
         "response_tokens": int(sums["tokens"]),
         "response_len": float(sums["tokens"] / len(rewards_N)),
+        "response_len_hist": [int(n) for n in sums["len_hist"]],
         "rollout_entropy": float(sums["entropy"] / max(1, sums["tokens"])),
     }
     if spec_out is not None:

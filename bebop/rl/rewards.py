@@ -16,6 +16,8 @@ boundary, so they must be picklable: module-level functions and plain dataclasse
 from __future__ import annotations
 
 import atexit
+import contextlib
+import io
 import logging
 import multiprocessing
 import os
@@ -30,8 +32,60 @@ class RewardError(RuntimeError):
     pass
 
 
-def _call(reward_fn, text, problem) -> float:  # runs in a worker process
-    return float(reward_fn(text, problem))
+# What a reward call may print (stdout and stderr together) that reaches the run's log.
+MAX_PRINTED = 2000
+
+
+class _Bounded(io.TextIOBase):
+    """A text sink keeping the first `limit` characters and counting the rest."""
+
+    def __init__(self, limit: int):
+        self.limit, self.kept, self.total = limit, [], 0
+
+    def writable(self) -> bool:
+        return True
+
+    def write(self, text: str) -> int:
+        room = self.limit - min(self.limit, self.total)
+        if room:
+            self.kept.append(text[:room])
+        self.total += len(text)
+        return len(text)
+
+    def text(self) -> str:
+        return "".join(self.kept)
+
+
+def _name(reward_fn) -> str:
+    spec = getattr(reward_fn, "spec", None)
+    if spec:
+        return spec
+    return (
+        f"{getattr(reward_fn, '__module__', '?')}.{getattr(reward_fn, '__qualname__', reward_fn)}"
+    )
+
+
+def check_value(value, reward_fn) -> float:
+    """A reward must be a real, finite number (a Python or NumPy int / float, or a 0-d numeric
+    array); anything else -- NaN, inf, a string, None, a list -- is an error naming the function."""
+    arr = np.asarray(value) if isinstance(value, np.ndarray | np.generic) else None
+    numeric = isinstance(value, int | float) or (
+        arr is not None and arr.ndim == 0 and arr.dtype.kind in "biuf"
+    )
+    if not numeric or not np.isfinite(float(value)):
+        raise ValueError(
+            f"reward function {_name(reward_fn)} returned {value!r} "
+            f"({type(value).__name__}); a reward must be a finite number"
+        )
+    return float(value)
+
+
+def _call(reward_fn, text, problem):  # runs in a worker process
+    """(the checked reward, what the call printed (bounded), how many characters it printed)."""
+    sink = _Bounded(MAX_PRINTED)
+    with contextlib.redirect_stdout(sink), contextlib.redirect_stderr(sink):
+        value = reward_fn(text, problem)
+    return check_value(value, reward_fn), sink.text(), sink.total
 
 
 def _ready(_) -> None:
@@ -83,25 +137,59 @@ class RewardPool:
             ]
             deadline = time.monotonic() + timeout_s
             vals, done, error = np.zeros(len(jobs), np.float32), np.zeros(len(jobs), bool), None
+            printed = []
             for i, job in enumerate(jobs):
                 job.wait(max(0.0, deadline - time.monotonic()))
                 if not job.ready():
                     break
                 try:
-                    vals[i], done[i] = job.get(), True
+                    vals[i], out, n = job.get()
+                    done[i] = True
+                    printed.append((out, n))
                 except Exception as e:  # noqa: BLE001 - reported by `score`, loudly
                     error = e
                     break
             for i, job in enumerate(jobs):  # whatever finished meanwhile
                 if not done[i] and job.ready() and job.successful():
-                    vals[i], done[i] = job.get(), True
+                    vals[i], out, n = job.get()
+                    done[i] = True
+                    printed.append((out, n))
             if not all(job.ready() for job in jobs):
                 self.terminate()
+            _log_printed(reward_fn, printed)
             return vals, done, error
+
+
+def _log_printed(reward_fn, printed) -> None:
+    """One bounded log line for what a batch of reward calls printed (not the raw output)."""
+    total = sum(n for _, n in printed)
+    if not total:
+        return
+    first = next(out for out, n in printed if n)
+    calls = sum(1 for _, n in printed if n)
+    logging.info(
+        "reward function %s printed %d characters in %d of %d calls (the first %d of one: %r)",
+        _name(reward_fn),
+        total,
+        calls,
+        len(printed),
+        min(len(first), 500),
+        first[:500],
+    )
 
 
 _POOL = RewardPool()
 atexit.register(_POOL.terminate)
+
+
+def shutdown() -> None:
+    """Ends the shared pool's workers and frees its semaphores now: for an exit through
+    `os._exit` (launch.py), which skips the interpreter's clean-up, where multiprocessing's
+    resource tracker would report them leaked."""
+    import gc
+
+    _POOL.terminate()
+    gc.collect()  # the pool's queues and locks: their finalizers unlink the semaphores
 
 
 def _failure(e: BaseException) -> RewardError:

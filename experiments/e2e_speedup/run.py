@@ -19,7 +19,21 @@ tokens costs max(1, N / 295) reads of the weights (bandwidth-bound below the rid
 bytes a decode step reads. The projected end-to-end figure puts that rollout speedup into the
 synchronous plain run's measured split of step time (Amdahl).
 
-    python experiments/e2e_speedup/run.py --base runs/demo
+    python experiments/e2e_speedup/run.py --base runs/demo [--predict]
+    python experiments/e2e_speedup/run.py --model smollm2 --base runs/mtp_smollm2 [--sync] \
+        [--predict]
+
+`--model smollm2`: the RL task of `configs/rl_smollm2.py` (40 GRPO steps of 4 prompts x 8,
+T = 0.7, γ = 3, greedy accuracy every 10 steps) from one run of the recipe's MTP
+(`configs/mtp_smollm2.py`, trained in `--base` first if absent), three asynchronous arms --
+plain static, plain tail-aware, speculative tail-aware with the derived draft table (frozen MTP,
+RS) -- and with `--sync` their synchronous twins. Per arm (`results_smollm2.json`, written as
+each arm finishes; a later launch reuses finished arms, so the study can run in parts): RL time
+without step 1 and its split (rollout, learner, reward, wait, evaluation), the rollout share of
+the plain step, accept length and per-position acceptance per step, the greedy accuracy curve;
+ratios between arms; `reward_accuracy_smollm2.png`: reward and accuracy vs step and vs
+wall-clock, all arms. `--predict`: then `predict.py` (the cost model's prediction of every
+arm, beside its measurement). `--runlocal` / `--extra KEY=VALUE`: smoke settings.
 
 Arms land in `runs/exp_rl_speed/<arm>/` (shared with `experiments/growmtp`; run both on an
 otherwise idle machine, one after the other: their wall times are compared); figures and
@@ -55,19 +69,30 @@ from experiments import common  # noqa: E402
 
 HERE = Path(__file__).resolve().parent
 ARMS = ("plain_sync", "frozen_rs_sync", "plain", "frozen_rs", "plain_compact", "frozen_rs_compact")
+# SmolLM2: asynchronous plain static, plain tail-aware and speculative tail-aware (derived draft
+# table); `--sync` adds their synchronous twins.
+SMOLLM2_ARMS = ("plain", "plain_compact", "frozen_rs_compact")
+SMOLLM2_SYNC = ("plain_sync", "plain_compact_sync", "frozen_rs_compact_sync")
 # Bebop and GrowMTP's end-to-end figures (docs/method.md §6-7).
 PAPER = {"bebop_e2e": "up to 1.8x", "growmtp_e2e": "1.60x (rollout 2.13x)"}
 
 
+def _after_1(res: common.ArmResult, key: str) -> float:
+    """Sum of `key` over steps 2.. (0 where never recorded)."""
+    return float(res.series(key)[1][1:].sum())
+
+
 def timing(res: common.ArmResult) -> dict:
     _, dt = common.step_times(res)
-    _, roll = res.series("rollout_s")
-    _, train = res.series("train_s")
     return {
         "rl_s_after_step_1": float(dt.sum()),
         "step_s_median": float(np.median(dt)),
-        "rollout_s": float(roll[1:].sum()),
-        "train_s": float(train[1:].sum()),
+        "rollout_s": _after_1(res, "rollout_s"),
+        "train_s": _after_1(res, "train_s"),
+        "mtp_train_s": _after_1(res, "mtp_train_s"),
+        "reward_s": _after_1(res, "reward_s"),
+        "wait_s": _after_1(res, "wait_s"),
+        "eval_s": _after_1(res, "eval_s"),
         "rl_wall_s": res.summary["rl_wall_s"],
         "accept_len": res.summary.get("accept_len"),
         "reward_last10": common.window_mean(res, "reward_mean", False),
@@ -79,8 +104,21 @@ def timing(res: common.ArmResult) -> dict:
     }
 
 
+def curves(res: common.ArmResult) -> dict:
+    """Per-step series of one arm: accept length and per-position acceptance (speculative
+    arms), the greedy accuracy curve (step, accuracy), and the rollout share of each step."""
+    out = {}
+    for key in ("accept_len", "accept_rate_1", "accept_rate_2", "accept_rate_3"):
+        step, y = res.series(key)
+        if y.size:
+            out[key] = {"step": step.astype(int).tolist(), "value": y.tolist()}
+    out["accuracy_curve"] = [list(e) for e in res.summary.get("eval_curve", [])]
+    return out
+
+
 def ratios(t: dict) -> dict:
-    """Speedups: the first arm's time / the second's (> 1: the second is faster)."""
+    """Speedups: the first arm's time / the second's (> 1: the second is faster), for the pairs
+    whose arms both ran."""
     pairs = {
         "sync": ("plain_sync", "frozen_rs_sync"),
         "async": ("plain", "frozen_rs"),
@@ -89,9 +127,14 @@ def ratios(t: dict) -> dict:
         "async_compact": ("plain_compact", "frozen_rs_compact"),
         "compact_vs_static_plain": ("plain", "plain_compact"),
         "compact_spec_vs_static_plain": ("plain", "frozen_rs_compact"),
+        "sync_compact": ("plain_compact_sync", "frozen_rs_compact_sync"),
+        "sync_compact_spec_vs_sync_plain": ("plain_sync", "frozen_rs_compact_sync"),
+        "async_compact_spec_vs_sync_plain": ("plain_sync", "frozen_rs_compact"),
     }
     out = {}
     for name, (a, b) in pairs.items():
+        if a not in t or b not in t:
+            continue
         out[name] = {
             k: t[a][k] / t[b][k] for k in ("rl_s_after_step_1", "step_s_median", "rollout_s")
         }
@@ -182,6 +225,37 @@ def cost_model(base: Path, frozen: common.ArmResult, plain_sync: dict, gamma: in
     }
 
 
+def accuracy_figure(path: Path, results: dict[str, common.ArmResult], window: int, setting: str):
+    """Sampled reward (running mean) and greedy accuracy, vs step and vs RL wall-clock, every
+    arm on one figure (2 x 2 panels)."""
+    import matplotlib.pyplot as plt
+
+    fig, axes = plt.subplots(2, 2, figsize=(11, 7), sharey="row")
+    for r in results.values():
+        step, reward = r.series("reward_mean")
+        tstep, t = r.series("time")
+        minutes = (t - t[0]) / 60.0
+        smooth = common.running_mean(reward, window)
+        axes[0, 0].plot(step, smooth, label=r.arm.label)
+        axes[0, 1].plot(minutes, smooth, label=r.arm.label)
+        acc = np.asarray(r.summary.get("eval_curve", []), np.float64).reshape(-1, 2)
+        # wall-clock of an evaluation: the record of its step (step 0: the first record's time)
+        at = np.interp(acc[:, 0], tstep, minutes) if acc.size else acc[:, 0]
+        axes[1, 0].plot(acc[:, 0], acc[:, 1], "o-", label=r.arm.label)
+        axes[1, 1].plot(at, acc[:, 1], "o-", label=r.arm.label)
+    axes[0, 0].set_ylabel(f"sampled reward (running mean of {window} steps)")
+    axes[1, 0].set_ylabel("greedy accuracy (held-out)")
+    for ax in axes[1]:
+        ax.set_xlabel(ax is axes[1, 0] and "RL step" or "RL wall-clock (minutes)")
+    for ax in axes.flat:
+        ax.grid(alpha=0.3)
+    axes[0, 0].legend(fontsize=7)
+    fig.suptitle(f"{setting}: reward and accuracy vs step and vs wall-clock", fontsize=10)
+    fig.tight_layout()
+    fig.savefig(path, dpi=100)
+    plt.close(fig)
+
+
 def figures(results: dict[str, common.ArmResult], window: int) -> None:
     curves = {}
     for r in results.values():
@@ -197,15 +271,59 @@ def figures(results: dict[str, common.ArmResult], window: int) -> None:
     )
 
 
+def run_arms(names, base: Path, root: Path, args) -> dict[str, common.ArmResult]:
+    """The arms one after the other; after each, its figures are written to the model's
+    results file (`arms`: a later launch reuses every finished arm, so the study can be run in
+    parts)."""
+    m = common.MODELS[args.model]
+    path = HERE / m.results
+    results = {}
+    for n in names:
+        results.update(common.study2_arms([n], base, root, args))
+        res = results[n]
+        partial = json.loads(path.read_text()) if path.exists() else {}
+        if partial.get("model") != args.model:
+            partial = {"study": "e2e_speedup", "model": args.model, "base": str(base)}
+        t = {**timing(res), "started": res.records[0]["time"], "curves": curves(res)}
+        partial.setdefault("arms", {})[n] = t
+        common.write_json(path, partial)
+    return results
+
+
 def main():
-    args = common.study2_parser(common.TIMED_ROOT).parse_args()
+    ap = common.study2_parser(common.TIMED_ROOT)
+    ap.add_argument("--sync", action="store_true", help="smollm2: also the synchronous twins")
+    ap.add_argument("--predict", action="store_true", help="then predict.py on the arms")
+    args = ap.parse_args()
     t0 = time.perf_counter()
-    base = common.base_run(Path(args.base))
-    results = common.study2_arms(ARMS, base, Path(args.workdir))
+    base, root = common.study2_base(args, "timed_root")
+    names = ARMS if args.model == "demo" else SMOLLM2_ARMS + (SMOLLM2_SYNC if args.sync else ())
+    results = run_arms(names, base, root, args)
     times = {n: timing(r) for n, r in results.items()}
     for n, r in results.items():  # when each arm ran, one after the other
         times[n]["started"] = r.records[0]["time"]
+        times[n]["curves"] = curves(r)
+    plain = times.get("plain_sync") or times["plain"]
+    for t in times.values():
+        t["rollout_share_of_plain_step"] = plain["rollout_s"] / plain["rl_s_after_step_1"]
     rat = ratios(times)
+    m = common.MODELS[args.model]
+    if args.model != "demo":
+        accuracy_figure(HERE / "reward_accuracy_smollm2.png", results, args.window, m.setting)
+        for n, t in times.items():
+            print(
+                f"{n:24s} RL {t['rl_s_after_step_1']:.0f} s  step {t['step_s_median']:.2f} s  "
+                f"rollouts {t['rollout_s']:.0f} s  learner {t['train_s']:.0f} s  reward "
+                f"{t['reward_s']:.0f} s  wait {t['wait_s']:.0f} s  accuracy "
+                f"{t['accuracy_after']:.3f}",
+                flush=True,
+            )
+        for n, r in rat.items():
+            print(f"speedup {n:34s} " + "  ".join(f"{k} {v:.2f}x" for k, v in r.items()))
+        common.report(HERE, "e2e_speedup", base, results, t0, args.model, arms=times, ratios=rat)
+        if args.predict:
+            predict_tail(args, base, root)
+        return
     figures(results, args.window)
     gamma = config_lib.from_dict(
         config_lib.RunConfig, json.loads((base / "config.json").read_text())
@@ -241,6 +359,16 @@ def main():
         cost_model=model_,
         paper=PAPER,
     )
+    if args.predict:
+        predict_tail(args, base, root)
+
+
+def predict_tail(args, base: Path, root: Path) -> None:
+    """`predict.py` on the arms just run (it updates the results file and prints its JSON)."""
+    from experiments.e2e_speedup import predict
+
+    flags = ["--model", args.model, "--base", str(base), "--workdir", str(root)]
+    predict.main(flags + (["--runlocal"] if args.runlocal else []))
 
 
 if __name__ == "__main__":

@@ -10,6 +10,12 @@ each stays at most as slow as plain ("starts paying", or never); the final rollo
 RL stage's timed plain-vs-speculative rollouts of its final weights).
 
     python experiments/growmtp/run.py --base runs/demo
+    python experiments/growmtp/run.py --model smollm2 --base runs/mtp_smollm2 \
+        [--costs experiments/e2e_speedup/results_smollm2.json]
+
+`--model smollm2`: the RL task of `configs/rl_smollm2.py` from one run of the recipe's MTP
+(`common.MODELS`; its static arms with `rollout.compact=False`), arms in
+`runs/exp_rl_speed_smollm2/`, results in `results_smollm2.json`, figures `*_smollm2.png`.
 
 Arms land in `runs/exp_rl_speed/<arm>/` (shared with `experiments/e2e_speedup`: run both on an
 otherwise idle machine, their wall times are compared); figures and `results.json` next to this
@@ -18,6 +24,7 @@ file. Last line: one JSON object.
 
 from __future__ import annotations
 
+import json
 import sys
 import time
 from pathlib import Path
@@ -26,7 +33,7 @@ import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
-from bebop import plots  # noqa: E402
+from bebop import costs, plots  # noqa: E402
 from experiments import common  # noqa: E402
 
 HERE = Path(__file__).resolve().parent
@@ -64,6 +71,24 @@ def after_step_1(res: common.ArmResult, key: str):
     return step[1:], y[1:]
 
 
+def pays_by_cost_model(res: common.ArmResult, costs_file: Path, window: int) -> dict:
+    """The step from which the arm's running-mean accept length stays at or above the cost
+    model's break-even (`costs.break_even_accept_len` at the full batch and `rollout.num_draft`,
+    from the per-bucket costs `e2e_speedup/predict.py` measured and wrote to `costs_file`)."""
+    measured = json.loads(Path(costs_file).read_text())["prediction"]["measured_inputs"]
+    bucket = {int(b): c for b, c in measured["bucket_costs_s"].items()}
+    batch = max(bucket)
+    gamma = max(int(k.split("_")[1]) for k in bucket[batch] if k.startswith("cycle_"))
+    need = costs.break_even_accept_len(bucket, batch, gamma)
+    step, alen = res.series("accept_len")
+    above = common.running_mean(alen, window) >= need
+    below = np.nonzero(~above)[0]
+    first = int(step[0]) if below.size == 0 else None
+    if below.size and below[-1] + 1 < len(step):
+        first = int(step[below[-1] + 1])
+    return {"break_even_accept_len": need, "batch": batch, "gamma": gamma, "pays_from_step": first}
+
+
 def row(res: common.ArmResult, plain: common.ArmResult, window: int) -> dict:
     roll = ratio_vs_plain(
         *after_step_1(res, "rollout_s"), *after_step_1(plain, "rollout_s"), window
@@ -86,10 +111,11 @@ def row(res: common.ArmResult, plain: common.ArmResult, window: int) -> dict:
     }
 
 
-def figures(results: dict[str, common.ArmResult], window: int) -> None:
-    setting = f"demo GRPO, T = 0.7, γ = 2, 128 rows/step; running mean of {window} steps"
+def figures(results: dict[str, common.ArmResult], window: int, model: str = "demo") -> None:
+    setting = f"{common.MODELS[model].setting}; running mean of {window} steps"
+    suffix = "" if model == "demo" else f"_{model}"
     plots.lines(
-        HERE / "accept_len.png",
+        HERE / f"accept_len{suffix}.png",
         {results[n].arm.label: common.smoothed(results[n], "accept_len", window) for n in SPEC},
         "RL step",
         "accept length (tokens per verify)",
@@ -101,7 +127,7 @@ def figures(results: dict[str, common.ArmResult], window: int) -> None:
         return x, common.running_mean(y, window)
 
     plots.lines(
-        HERE / "rollout_time.png",
+        HERE / f"rollout_time{suffix}.png",
         {results[n].arm.label: timing(*after_step_1(results[n], "rollout_s")) for n in ARMS},
         "RL step",
         "rollout wall time per step (s)",
@@ -109,7 +135,7 @@ def figures(results: dict[str, common.ArmResult], window: int) -> None:
         size=(7, 4.5),
     )
     plots.lines(
-        HERE / "step_time.png",
+        HERE / f"step_time{suffix}.png",
         {results[n].arm.label: timing(*common.step_times(results[n])) for n in ARMS},
         "RL step",
         "wall time per RL step (s)",
@@ -119,12 +145,22 @@ def figures(results: dict[str, common.ArmResult], window: int) -> None:
 
 
 def main():
-    args = common.study2_parser(common.TIMED_ROOT).parse_args()
+    ap = common.study2_parser(common.TIMED_ROOT)
+    ap.add_argument(
+        "--costs",
+        default="",
+        help="a results file with e2e_speedup/predict.py's measured costs: the step from which "
+        "each head pays by the cost model",
+    )
+    args = ap.parse_args()
     t0 = time.perf_counter()
-    base = common.base_run(Path(args.base))
-    results = common.study2_arms(ARMS, base, Path(args.workdir))
+    base, root = common.study2_base(args, "timed_root")
+    results = common.study2_arms(ARMS, base, root, args)
     rows = {n: row(results[n], results["plain"], args.window) for n in SPEC}
-    figures(results, args.window)
+    if args.costs:
+        for n in SPEC:
+            rows[n]["cost_model"] = pays_by_cost_model(results[n], Path(args.costs), args.window)
+    figures(results, args.window, args.model)
     for n, r in rows.items():
         ro, st = r["rollout_s_ratio"], r["step_s_ratio"]
         print(
@@ -141,6 +177,7 @@ def main():
         base,
         results,
         t0,
+        args.model,
         window_steps=args.window,
         arms=rows,
     )

@@ -11,10 +11,13 @@ entropy change explains -- study 1's per-token fit of acceptance on entropy
 times the entropy change -- and the rest (Bebop §5.1).
 
     python experiments/mtp_in_rl/run.py --base runs/demo
+    python experiments/mtp_in_rl/run.py --model smollm2 --base runs/mtp_smollm2
 
 `--base` is a finished demo run (its `sft` and `mtp` stages; trained there if absent). Arms land
-in `runs/exp_mtp_in_rl/<arm>/` and are reused when finished. Figures and `results.json` land next
-to this file. Last line: one JSON object.
+in `runs/exp_mtp_in_rl/<arm>/` and are reused when finished. `--model smollm2`: the RL task of
+`configs/rl_smollm2.py` from one run of the recipe's MTP (`common.MODELS`), arms in
+`runs/exp_mtp_in_rl_smollm2/`, results in `results_smollm2.json`, figures `*_smollm2.png`.
+Figures and `results.json` land next to this file. Last line: one JSON object.
 """
 
 from __future__ import annotations
@@ -31,7 +34,11 @@ from experiments import common  # noqa: E402
 
 HERE = Path(__file__).resolve().parent
 ARMS = ("frozen_rs", "online_ce", "online_tv", "to_online_ce")
-STUDY1 = HERE.parent / "entropy_acceptance" / "results_demo.json"
+# study 1's fits per model (SmolLM2: with the recipe's MTP, the one its RL arms draft with)
+STUDY1 = {
+    "demo": HERE.parent / "entropy_acceptance" / "results_demo.json",
+    "smollm2": HERE.parent / "entropy_acceptance" / "results_smollm2_recipe.json",
+}
 
 
 def entropy_slope(arm: common.Arm, study1: dict) -> tuple[str, float]:
@@ -65,16 +72,19 @@ def decompose(res: common.ArmResult, study1: dict, n: int = 10) -> dict:
         "accuracy_before": res.summary["accuracy_before"],
         "accuracy_after": res.summary["accuracy_after"],
     }
-    for k in (1, 2):
+    for k in range(1, 4):
+        if not res.series(f"accept_rate_{k}")[1].size:
+            continue
         row[f"accept_rate_{k}_first"] = common.window_mean(res, f"accept_rate_{k}", True, n)
         row[f"accept_rate_{k}_last"] = common.window_mean(res, f"accept_rate_{k}", False, n)
     return row
 
 
-def figures(results: dict[str, common.ArmResult], window: int) -> None:
-    setting = f"demo GRPO, T = 0.7, γ = 2, 128 rows/step; running mean of {window} steps"
+def figures(results: dict[str, common.ArmResult], window: int, model: str = "demo") -> None:
+    setting = f"{common.MODELS[model].setting}; running mean of {window} steps"
+    suffix = "" if model == "demo" else f"_{model}"
     plots.lines(
-        HERE / "accept_len.png",
+        HERE / f"accept_len{suffix}.png",
         {r.arm.label: common.smoothed(r, "accept_len", window) for r in results.values()},
         "RL step",
         "accept length (tokens per verify)",
@@ -82,11 +92,12 @@ def figures(results: dict[str, common.ArmResult], window: int) -> None:
         size=(7, 4.5),
     )
     plots.lines(
-        HERE / "per_position.png",
+        HERE / f"per_position{suffix}.png",
         {
             f"{r.arm.name} pos {k}": common.smoothed(r, f"accept_rate_{k}", window)
             for r in results.values()
-            for k in (1, 2)
+            for k in range(1, 4)
+            if r.series(f"accept_rate_{k}")[1].size
         },
         "RL step",
         "acceptance at draft position k",
@@ -94,7 +105,7 @@ def figures(results: dict[str, common.ArmResult], window: int) -> None:
         size=(7, 4.5),
     )
     plots.lines(
-        HERE / "entropy.png",
+        HERE / f"entropy{suffix}.png",
         {r.arm.label: common.smoothed(r, "rollout_entropy", window) for r in results.values()},
         "RL step",
         "policy entropy of emitted tokens (nats)",
@@ -122,11 +133,11 @@ def table(rows: dict) -> str:
 def main():
     args = common.study2_parser(common.STUDY2_ROOT).parse_args()
     t0 = time.perf_counter()
-    base = common.base_run(Path(args.base))
-    results = common.study2_arms(ARMS, base, Path(args.workdir))
-    study1 = json.loads(STUDY1.read_text())
+    base, root = common.study2_base(args, "study2_root")
+    results = common.study2_arms(ARMS, base, root, args)
+    study1 = json.loads(STUDY1[args.model].read_text())
     rows = {n: decompose(r, study1, args.window) for n, r in results.items()}
-    figures(results, args.window)
+    figures(results, args.window, args.model)
     print(table(rows), flush=True)
     common.report(
         HERE,
@@ -134,6 +145,7 @@ def main():
         base,
         results,
         t0,
+        args.model,
         window_steps=args.window,
         arms=rows,
     )

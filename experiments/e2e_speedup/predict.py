@@ -1,0 +1,388 @@
+"""The cost model's prediction of each measured arm of `run.py` (`bebop/costs.py`).
+
+    python experiments/e2e_speedup/predict.py --base runs/demo --workdir runs/exp_rl_speed
+    python experiments/e2e_speedup/predict.py --model smollm2 --base runs/mtp_smollm2 \\
+        --workdir runs/exp_rl_speed_smollm2
+
+Measured here, on the base run's models, with nothing else running (`measure`):
+  * per bucket size b of the RL batch (b = B, B/2, ... down to `rollout.min_bucket`) the real
+    sampler loops' seconds per iteration: a plain decode step (`step`) and a speculative cycle at
+    each γ = 1 .. `rollout.num_draft` (`cycle_γ`), each timed as one whole rollout with EOS off
+    (every row runs to the token budget) minus its set-up, over its iterations; best of
+    `--repeats` after a call that compiles;
+  * the compilation of each of those loops (its first call minus its best): a derived draft
+    table that changes compiles the loops of its new (bucket, γ) pairs during the run;
+  * the set-up of a rollout of the whole batch (prefill, once per GRPO group, and the first
+    token; `setup`, `spec_setup`), and one compaction (gather the live half of the loop state,
+    scatter the outputs back, read the live rows on the host; `switch`, `spec_switch`);
+  * one GRPO learner step on a batch of the RL shape (`learner_s`; rows x (prompt + budget)
+    tokens, fixed-shape);
+  * the contention κ of `costs.step_time`: a plain rollout and a learner step started together,
+    κ = (both - the longer alone) / the shorter alone, median of `--repeats`.
+Read from each arm's own records (`rl/metrics.jsonl`), step by step from step 2 (step 1 also
+compiles): the batch's response lengths (`response_len_hist`), the per-position acceptance
+(`accept_rate_k`), the draft table each rollout used (the last `draft_table` recorded before the
+step), the reward's seconds and the step's host overhead (step time minus the learner's wait and
+update: publish, evaluation, records); and its arm config (`config.json`). Prediction per arm:
+`costs.predict_step` summed over steps 2..N, against the measured RL time over the same steps;
+`pred_error` = (predicted - measured) / measured, for the RL time and for the rollout time.
+
+Writes the prediction into the study's results file (`results.json`, `results_smollm2.json`):
+per arm `measured_s`, `predicted_s`, `pred_error` (and the rollout's), and `prediction` (the
+measured inputs). Last line: one JSON object.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import statistics
+import sys
+import threading
+import time
+from pathlib import Path
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
+
+from bebop import (  # noqa: E402
+    compaction,
+    costs,
+    model,
+    plots,
+    rollout,
+    sampling,
+    sharding,
+    spec_compacted,
+    speculative,
+    tasks,
+)
+from bebop import config as config_lib  # noqa: E402
+from bebop.rl import learner, loop  # noqa: E402
+from bebop.train import TrainState, make_optimizer  # noqa: E402
+from benchmarks.rollout import load_models  # noqa: E402
+from experiments import common  # noqa: E402
+
+HERE = Path(__file__).resolve().parent
+
+
+def _best(fn, repeats: int, first: list | None = None) -> float:
+    """Best of `repeats` calls after one that compiles (its seconds appended to `first`)."""
+    t0 = time.perf_counter()
+    jax.block_until_ready(fn())  # compiles
+    if first is not None:
+        first.append(time.perf_counter() - t0)
+    best = float("inf")
+    for _ in range(repeats):
+        t0 = time.perf_counter()
+        jax.block_until_ready(fn())
+        best = min(best, time.perf_counter() - t0)
+    return best
+
+
+@dataclasses.dataclass
+class Setup:
+    cfg: config_lib.RunConfig
+    pol: tuple
+    mtp: tuple
+    vocab: object
+    layers: object
+    scfg: sampling.SamplingConfig
+    toks: np.ndarray  # batch 0's prompts, as the RL run places them
+    lens: np.ndarray
+
+
+def load(base: Path, model_name: str, config: str) -> Setup:
+    """The base run's policy and MTP (`benchmarks.rollout.load_models`) and the RL batch's
+    prompts (`rollout.Rollouts`: batch 0, padded to the run's width)."""
+    mesh = sharding.make_mesh(config_lib.MeshConfig(data=1), jax.devices()[:1])
+    cfg = config_lib.load(str(common.REPO / config))[0]
+    ns = argparse.Namespace(
+        model=model_name,
+        workdir=str(base),
+        config=config,
+        mtp_ckpt=str(base / "mtp" / "ckpt"),
+        num_prompts=1,
+        prompts="task",
+    )
+    pol, mtp, vocab, tok, _, _ = load_models(ns, mesh)
+    vocab = None if vocab is None else jnp.asarray(vocab)
+    src = rollout.Rollouts(cfg, pol[0], mtp[0], tok, tasks.make_task(cfg.task), vocab=vocab)
+    _, ids = src.prompts(0)
+    toks, lens = src.place(ids)
+    layers = model.decode_layers_jit(*pol)
+    return Setup(cfg, pol, mtp, vocab, layers, src.scfg, np.asarray(toks), np.asarray(lens))
+
+
+def loop_costs(s: Setup, repeats: int) -> dict:
+    """Per bucket size: seconds per plain step and per speculative cycle at each γ (the real
+    loops, EOS off), and at the full batch the set-ups and one compaction (module docstring)."""
+    r = s.cfg.rollout
+    batch = s.toks.shape[0]
+    sizes = compaction.bucket_sizes(batch, r.min_bucket)
+    key = jax.random.key(0)
+    noeos = dataclasses.replace(s.scfg, eos_ids=(), prompt_group=1)
+    n = noeos.max_new_tokens
+    out = {}
+    for b in sizes:
+        t, ln = s.toks[:b], s.lens[:b]
+        c = {}
+        plain, first = (*s.pol, t, ln, key, noeos, s.layers), []
+        full = _best(lambda plain=plain: sampling.sample_jit(*plain), repeats, first)
+        c["compile_0"] = max(0.0, first[0] - full)
+        init = _best(lambda plain=plain: sampling._init_jit(*plain).out, repeats)
+        c["step"] = (full - init) / n
+        for g in range(1, r.num_draft + 1):
+            spec = speculative.SpecConfig(g, r.mode)
+            args = (*s.pol, *s.mtp, t, ln, key, noeos, spec, s.vocab, s.layers)
+            first = []
+            full = _best(lambda args=args: speculative.sample_jit(*args), repeats, first)
+            c[f"compile_{g}"] = max(0.0, first[0] - full)
+            res = speculative.sample_jit(*args)
+            cycles = int(np.asarray(res.stats.verify_calls).max())
+            call = (*s.pol, *s.mtp, s.vocab, s.layers, t, ln, key, noeos, spec, True, g, 0)
+            init = _best(lambda call=call: spec_compacted._init_jit(*call).out, repeats)
+            c[f"cycle_{g}"] = (full - init) / max(cycles, 1)
+        out[b] = c
+    # the full batch's set-ups, with one prefill per GRPO group as the RL run does
+    t, ln = s.toks, s.lens
+    out[batch]["setup"] = _best(
+        lambda: sampling._init_jit(*s.pol, t, ln, key, s.scfg, s.layers).out, repeats
+    )
+    y = r.num_draft
+    spec = speculative.SpecConfig(y, r.mode)
+    call = (*s.pol, *s.mtp, s.vocab, s.layers, t, ln, key, s.scfg, spec, True, y, 0)
+    out[batch]["spec_setup"] = _best(lambda: spec_compacted._init_jit(*call).out, repeats)
+    if len(sizes) > 1:
+        idx = np.arange(sizes[1], dtype=np.int32)
+        plain_state = sampling._init_jit(*s.pol, t, ln, key, s.scfg, s.layers)
+        spec_state = spec_compacted._init_jit(*call)
+
+        def switch(state, outputs, live):
+            part = compaction.gather_rows(state, idx)
+            np.asarray(live(part))
+            return compaction.scatter_rows(outputs(state), outputs(part), idx)
+
+        out[batch]["switch"] = _best(
+            lambda: switch(plain_state, lambda x: x.out, lambda x: sampling._live(x, s.scfg)),
+            repeats,
+        )
+        out[batch]["spec_switch"] = _best(
+            lambda: switch(
+                spec_state, speculative.row_outputs, lambda x: speculative.live(x, s.scfg)
+            ),
+            repeats,
+        )
+    return out
+
+
+def learner_step(s: Setup):
+    """A function running one GRPO learner step (`learner.build`'s policy step) on a batch of
+    the RL shape: rows x (prompt width + budget), half the budget as response."""
+    cfg = s.cfg
+    opt = make_optimizer(cfg.rl.optim, cfg.rl.steps)
+    mtp_opt = make_optimizer(cfg.rl.mtp_optim, cfg.rl.steps)
+    store = loop.WeightStore(keep=2)
+    ref = s.pol[1] if cfg.rl.kl_coef > 0 else None
+    learn = learner.build(cfg, s.pol[0], s.mtp[0], s.scfg, s.vocab, opt, mtp_opt, store, ref)
+    b, p = s.toks.shape
+    width = p + s.scfg.max_new_tokens
+    rng = np.random.default_rng(0)
+    tokens = rng.integers(0, 100, (b, width)).astype(np.int32)
+    mask = np.zeros((b, width), np.float32)
+    mask[:, p : p + s.scfg.max_new_tokens // 2] = 1.0
+    batch = loop.LearnerBatch(
+        jnp.asarray(tokens),
+        jnp.asarray(mask),
+        jnp.asarray(-np.ones((b, width), np.float32) * mask),
+        jnp.asarray(rng.standard_normal(b).astype(np.float32)),
+    )
+    state = [TrainState.create(jax.tree.map(jnp.copy, s.pol[1]), opt, cfg.seed + 200)]
+
+    def step():
+        state[0], m = learn.policy_step(state[0], batch, ref)
+        return state[0].params
+
+    return step
+
+
+def contention(rollout_fn, learner_fn, repeats: int) -> dict:
+    """κ of `costs.step_time` from a rollout and a learner step started together."""
+    t_r = _best(rollout_fn, repeats)
+    t_l = _best(learner_fn, repeats)
+    both = []
+    for _ in range(repeats):
+        th = threading.Thread(target=lambda: jax.block_until_ready(rollout_fn()))
+        t0 = time.perf_counter()
+        th.start()
+        jax.block_until_ready(learner_fn())
+        th.join()
+        both.append(time.perf_counter() - t0)
+    kappas = [(x - max(t_r, t_l)) / min(t_r, t_l) for x in both]
+    return {
+        "rollout_alone_s": t_r,
+        "learner_alone_s": t_l,
+        "both_s": both,
+        "contention": float(min(1.0, max(0.0, statistics.median(kappas)))),
+    }
+
+
+def measure(base: Path, model_name: str, config: str, repeats: int) -> dict:
+    s = load(base, model_name, config)
+    t0 = time.perf_counter()
+    bucket = loop_costs(s, repeats)
+    step = learner_step(s)
+    key = jax.random.key(1)
+    plain = lambda: sampling.sample_jit(*s.pol, s.toks, s.lens, key, s.scfg, s.layers)  # noqa: E731
+    over = contention(plain, step, repeats)
+    return {
+        "machine": f"{jax.devices()[0].platform}, {jax.device_count()} device(s)",
+        "batch": int(s.toks.shape[0]),
+        "prompt_width": int(s.toks.shape[1]),
+        "budget": s.scfg.max_new_tokens,
+        "repeats": repeats,
+        "bucket_costs_s": {str(b): c for b, c in bucket.items()},
+        "learner_s": over["learner_alone_s"],
+        "contention": over["contention"],
+        "contention_timings": over,
+        "measure_s": time.perf_counter() - t0,
+    }
+
+
+# ----------------------------------------------------------------------------- per arm
+
+
+def arm_spec(cfg: config_lib.RunConfig) -> costs.ArmSpec:
+    r = cfg.rollout
+    spec = r.mode != "plain"
+    return costs.ArmSpec(
+        speculative=spec,
+        compact=r.compact,
+        asynchronous=cfg.rl.max_staleness > 0,
+        num_draft=r.num_draft if spec else 0,
+        draft_table=tuple(map(tuple, r.draft_table)),
+        min_bucket=r.min_bucket,
+    )
+
+
+def arm_steps(records: list[dict], spec: costs.ArmSpec, derived: bool, learner_s: float):
+    """`costs.predict_run`'s steps 2..N of one arm from its records (module docstring), and the
+    measured seconds of the same steps (RL time, rollout time)."""
+    table, steps, dt, roll = spec.draft_table, [], [], []
+    for i, rec in enumerate(records):
+        if i and "time" in records[i - 1]:
+            if "response_len_hist" not in rec:
+                raise KeyError(
+                    f"step {rec['step']}: no 'response_len_hist' (records from before the "
+                    "cost model): rerun the arm"
+                )
+            hist = np.asarray(rec["response_len_hist"])
+            step_dt = rec["time"] - records[i - 1]["time"]
+            learn = rec.get("train_s", 0.0) + rec.get("mtp_train_s", 0.0)
+            s = {
+                "lengths": np.repeat(np.arange(hist.size), hist),
+                "learner_s": learner_s + rec.get("mtp_train_s", 0.0),
+                "reward_s": rec.get("reward_s", 0.0),
+                "overhead_s": max(0.0, step_dt - rec.get("wait_s", 0.0) - learn),
+            }
+            if spec.speculative:
+                s["alpha"] = [
+                    rec.get(f"accept_rate_{k}", 0.0) for k in range(1, spec.num_draft + 1)
+                ]
+                s["draft_table"] = table
+            steps.append(s)
+            dt.append(step_dt)
+            roll.append(rec["rollout_s"])
+        if derived and "draft_table" in rec:  # derived after this rollout: the next one's
+            table = tuple(map(tuple, rec["draft_table"]))
+    return steps, float(np.sum(dt)), float(np.sum(roll))
+
+
+def predict_arm(wd: Path, measured: dict, sims: int) -> dict:
+    cfg = config_lib.from_dict(config_lib.RunConfig, json.loads((wd / "config.json").read_text()))
+    spec = arm_spec(cfg)
+    derived = spec.speculative and spec.compact and not cfg.rollout.draft_table
+    derived = derived and cfg.rl.mtp_strategy != "growmtp"
+    records = plots.read_metrics(wd / "rl" / "metrics.jsonl")
+    steps, measured_s, measured_roll = arm_steps(records, spec, derived, measured["learner_s"])
+    bucket = {int(b): c for b, c in measured["bucket_costs_s"].items()}
+    # the programs of step 1 (excluded) are compiled: its table is the configured one
+    compiled = costs.programs(spec, max(bucket))
+    p = costs.predict_run(
+        steps, bucket, spec, compiled, contention=measured["contention"], sims=sims
+    )
+    changes = sum("draft_table" in r for r in records[1:])
+    return {
+        "measured_s": measured_s,
+        "predicted_s": p["step_s"],
+        "pred_error": (p["step_s"] - measured_s) / measured_s,
+        "measured_rollout_s": measured_roll,
+        "predicted_rollout_s": p["rollout_s"],
+        "rollout_pred_error": (p["rollout_s"] - measured_roll) / measured_roll,
+        "predicted_compile_s": p["compile_s"],
+        "steps": len(steps),
+        "arm": dataclasses.asdict(spec),
+        "draft_table_changes_after_step_1": changes,
+    }
+
+
+def main(argv=None):
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--model", choices=sorted(common.MODELS), default="demo")
+    ap.add_argument("--runlocal", action="store_true", help="the models' :runlocal configs")
+    ap.add_argument("--base", default=None)
+    ap.add_argument("--workdir", default=None, help="where run.py's arms are")
+    ap.add_argument("--arms", default="", help="comma-separated (default: every finished arm)")
+    ap.add_argument("--repeats", type=int, default=3)
+    ap.add_argument("--sims", type=int, default=64, help="simulated batches per step")
+    ap.add_argument("--results", default=None, help="results file to update")
+    argv = sys.argv[1:] if argv is None else list(argv)
+    args = ap.parse_args(argv)
+    m = common.MODELS[args.model]
+    base = Path(args.base or m.base).absolute()
+    root = Path(args.workdir or m.timed_root).absolute()
+    config = m.config + (":runlocal" if args.runlocal else "")
+    names = [a for a in args.arms.split(",") if a] or sorted(
+        p.parent.parent.name for p in root.glob("*/rl/summary.json")
+    )
+    if not names:
+        raise SystemExit(f"--workdir {root}: no finished arm (*/rl/summary.json)")
+    t0 = time.perf_counter()
+    measured = measure(base, "demo" if args.model == "demo" else "smollm2", config, args.repeats)
+    arms = {n: predict_arm(root / n, measured, args.sims) for n in names}
+    for n, a in arms.items():
+        print(
+            f"{n:24s} RL {a['measured_s']:8.1f} s measured, {a['predicted_s']:8.1f} s predicted "
+            f"({a['pred_error']:+.1%}); rollouts {a['measured_rollout_s']:7.1f} s vs "
+            f"{a['predicted_rollout_s']:7.1f} s ({a['rollout_pred_error']:+.1%})",
+            flush=True,
+        )
+    path = Path(args.results) if args.results else HERE / m.results
+    res = json.loads(path.read_text()) if path.exists() else {}
+    res.setdefault("arms", {})
+    for n, a in arms.items():
+        res["arms"].setdefault(n, {}).update(
+            {k: a[k] for k in ("measured_s", "predicted_s", "pred_error")},
+            measured_rollout_s=a["measured_rollout_s"],
+            predicted_rollout_s=a["predicted_rollout_s"],
+            rollout_pred_error=a["rollout_pred_error"],
+        )
+    res["prediction"] = {
+        "model": "bebop/costs.py (module docstring); inputs: predict.py's docstring",
+        "command": " ".join(["python", "experiments/e2e_speedup/predict.py", *argv]),
+        "date": time.strftime("%Y-%m-%d", time.gmtime()),
+        "measured_inputs": measured,
+        "arms": arms,
+        "max_abs_pred_error": max(abs(a["pred_error"]) for a in arms.values()),
+        "wall_s": time.perf_counter() - t0,
+    }
+    common.write_json(path, res)
+    print(json.dumps(res["prediction"]))
+
+
+if __name__ == "__main__":
+    main()
