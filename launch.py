@@ -170,7 +170,8 @@ def run_one(cfg, workdir: Path, args, argv) -> int:
     import jax
 
     from bebop import config as config_lib
-    from bebop import fit, pipeline, sharding
+    from bebop import fit, sharding
+    from bebop.stages import pipeline
 
     try:
         mesh = sharding.make_mesh(cfg.mesh)
@@ -222,8 +223,8 @@ def _known_errors() -> tuple[type, ...]:
     from bebop.checkpoints.hf import CheckpointError
     from bebop.ckpt import CheckpointRestoreError
     from bebop.io import DamagedFileError
-    from bebop.pipeline import WorkdirLocked
     from bebop.rl.guards import DraftCollapseError
+    from bebop.stages.pipeline import WorkdirLocked
     from bebop.tokenizer import TokenizerError
     from bebop.train import NonFiniteError
 

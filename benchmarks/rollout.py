@@ -103,7 +103,8 @@ def load_models(args, mesh):
             config_lib.RunConfig, json.loads((wd / "config.json").read_text())
         )
         cfg = with_dtype(cfg, getattr(args, "dtype", ""))
-        from bebop import mtp_train, policies
+        from bebop import policies
+        from bebop.stages import mtp as mtp_train
 
         policy = policies.load(cfg, wd, mesh)
         pol_gd, pol_params, tok = policy.graphdef, policy.params, policy.tok

@@ -96,7 +96,7 @@ def test_the_rl_stage_stops_when_mismatched_mtp_weights_are_loaded_mid_run(tmp_p
     1), as a broken weight sync would: with `rl.draft_collapse_action='error'` the run stops at
     step 3 naming the versions."""
     from bebop import rollout
-    from bebop.rl import stage as rl_stage
+    from bebop.stages import rl as rl_stage
 
     from .test_hostile import _mesh, _save_params
 

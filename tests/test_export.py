@@ -19,7 +19,7 @@ from bebop import mtp as mtp_lib
 from bebop.checkpoints import LoadedPolicy, hf, tokenizer_files
 from bebop.ckpt import Checkpointer
 from bebop.config import ConfigError, RunConfig
-from bebop.rl import stage as rl_stage
+from bebop.stages import rl as rl_stage
 from bebop.tokenizer import BPETokenizer, CharTokenizer
 
 from .test_checkpoints import _hf_model, _mesh

@@ -1,6 +1,8 @@
-"""The package's import direction, read from the source (AST): launch.py -> pipeline -> stages ->
-library. No stage imports another stage, no library module imports a stage, and the import graph
-of `bebop` has no cycle (imports inside functions count too)."""
+"""The package's import direction, read from the source (AST; imports inside functions count too):
+`launch.py` -> `bebop.stages.pipeline` -> the stages (`bebop.stages.*`) -> RL machinery
+(`bebop.rl.*`) -> the core library (every other `bebop` module). No stage imports another stage,
+nothing below the stages imports one, the core library imports no RL machinery, and the import
+graph of `bebop` has no cycle."""
 
 import ast
 
@@ -8,8 +10,19 @@ from .conftest import REPO
 
 # One module per stage of `config.STAGES`; `pipeline` (which runs them in order) is the only
 # module of the package that may import them.
-STAGES = {"bebop.sft", "bebop.distill", "bebop.mtp_train", "bebop.rl.stage"}
-RUNNERS = {"bebop.pipeline"}
+STAGES = {"bebop.stages.sft", "bebop.stages.distill", "bebop.stages.mtp", "bebop.stages.rl"}
+RUNNERS = {"bebop.stages.pipeline"}
+
+
+def layer(mod: str) -> int:
+    """3: launch.py, 2: `bebop.stages`, 1: `bebop.rl`, 0: the core library."""
+    if mod == "launch":
+        return 3
+    if mod == "bebop.stages" or mod.startswith("bebop.stages."):
+        return 2
+    if mod == "bebop.rl" or mod.startswith("bebop.rl."):
+        return 1
+    return 0
 
 
 def _module(path) -> str:
@@ -23,10 +36,10 @@ def _exists(name: str) -> bool:
 
 
 def import_graph() -> dict[str, set[str]]:
-    """{module: the bebop modules it imports}; `from bebop import x` counts as `bebop.x` when
-    `x` is a module."""
+    """{module: the bebop modules it imports}, for every module of `bebop` and `launch.py`;
+    `from bebop import x` counts as `bebop.x` when `x` is a module."""
     graph = {}
-    for path in sorted((REPO / "bebop").rglob("*.py")):
+    for path in [*sorted((REPO / "bebop").rglob("*.py")), REPO / "launch.py"]:
         mod, deps = _module(path), set()
         for node in ast.walk(ast.parse(path.read_text())):
             if isinstance(node, ast.Import):
@@ -74,3 +87,21 @@ def test_the_import_graph_has_no_cycle():
     for mod in sorted(graph):
         if mod not in state:
             visit(mod, [])
+
+
+def test_imports_run_down_the_layers():
+    graph = import_graph()
+    assert {"launch", "bebop.stages.pipeline", "bebop.rl.grpo", "bebop.model"} <= set(graph)
+    up = [
+        f"{mod} -> {dep}"
+        for mod, deps in graph.items()
+        for dep in sorted(deps)
+        if layer(dep) > layer(mod)
+    ]
+    assert not up, up
+
+
+def test_launch_reaches_the_stages_through_the_pipeline_only():
+    graph = import_graph()
+    assert "bebop.stages.pipeline" in graph["launch"]
+    assert not graph["launch"] & STAGES, sorted(graph["launch"] & STAGES)

@@ -369,7 +369,7 @@ def test_bf16_behaviour_weights_checkpoint_and_restore_in_bf16(tiny_cfg, tmp_pat
     """A resumed bfloat16 run reads the behaviour versions back as the store keeps them."""
     from bebop.ckpt import Checkpointer
     from bebop.config import RLConfig
-    from bebop.rl import stage
+    from bebop.stages import rl as stage
 
     cfg = _cfg(tiny_cfg, dtype="bfloat16")
     mesh = sharding.make_mesh(MeshConfig(data=1, fsdp=-1))

@@ -10,12 +10,13 @@ import numpy as np
 import pytest
 from flax import nnx
 
-from bebop import distill, model, sampling, sharding, speculative
+from bebop import model, sampling, sharding, speculative
 from bebop import mtp as mtp_lib
 from bebop.config import MeshConfig, OptimConfig
 from bebop.fit import PREEMPTED, Preempted
 from bebop.mtp_losses import MTP_LOSSES, MTPBatch, mtp_loss
-from bebop.mtp_train import (
+from bebop.stages import distill
+from bebop.stages.mtp import (
     cached_target,
     load_draft_vocab,
     patience_stop,

@@ -15,12 +15,13 @@ import numpy as np
 import pytest
 
 from bebop import mtp as mtp_lib
-from bebop import mtp_train, policies, rollout, sharding, speculative, tasks
+from bebop import policies, rollout, sharding, speculative, tasks
 from bebop.config import MeshConfig
 from bebop.metrics import read_jsonl
 from bebop.rl import records, rewards
-from bebop.rl import stage as rl_stage
 from bebop.speculative import ACCEPTED, REJECTED
+from bebop.stages import mtp as mtp_train
+from bebop.stages import rl as rl_stage
 from bebop.tokenizer import CharTokenizer
 
 from . import reward_fns
@@ -38,7 +39,7 @@ def _mesh():
 @pytest.fixture(scope="module")
 def pretrained(tmp_path_factory):
     """A run directory with sft, distill and mtp done (shared by the RL tests)."""
-    from bebop import pipeline
+    from bebop.stages import pipeline
 
     d = tmp_path_factory.mktemp("pre")
     cfg = _rl_cfg("stages=('sft','distill','mtp')")

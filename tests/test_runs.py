@@ -22,11 +22,12 @@ from flax import nnx
 import launch
 from bebop import config as config_lib
 from bebop import io as bio
-from bebop import pipeline, sharding, tasks
+from bebop import sharding, tasks
 from bebop.checkpoints import hf
 from bebop.ckpt import Checkpointer, restore_params
 from bebop.fit import PREEMPTED, Preempted, fit, install_preemption_handler
 from bebop.metrics import MetricsWriter, read_jsonl
+from bebop.stages import pipeline
 from bebop.train import (
     DivergenceError,
     DivergenceGuard,

@@ -12,10 +12,11 @@ import numpy as np
 import pytest
 
 from bebop import config as config_lib
-from bebop import policies, sft, sharding
+from bebop import policies, sharding
 from bebop.ckpt import Checkpointer
 from bebop.config import OptimConfig
 from bebop.metrics import read_jsonl
+from bebop.stages import sft
 from bebop.train import NonFiniteError, TrainState, check_nonfinite, make_optimizer, make_train_step
 
 from .conftest import REPO

@@ -7,7 +7,7 @@ import pytest
 
 from bebop import model, sharding
 from bebop.config import ConfigError, MeshConfig, OptimConfig
-from bebop.sft import sft_loss
+from bebop.stages.sft import sft_loss
 from bebop.train import TrainState, make_optimizer, make_train_step
 
 

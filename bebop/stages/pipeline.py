@@ -286,8 +286,10 @@ def run(cfg: RunConfig, workdir: Path, mesh, argv=(), rerun_from: str | None = N
     changed config on a finished stage before anything runs."""
     import jax
 
-    from bebop import distill, mtp_train, sft, sharding
-    from bebop.rl import stage as rl_stage
+    from bebop import sharding
+    from bebop.stages import distill, sft
+    from bebop.stages import mtp as mtp_train
+    from bebop.stages import rl as rl_stage
 
     stages = {"sft": sft.run, "distill": distill.run, "mtp": mtp_train.run, "rl": rl_stage.run}
     workdir, primary = Path(workdir), jax.process_index() == 0
