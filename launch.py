@@ -298,7 +298,7 @@ def exit_now(code: int) -> None:
         import jax
 
         jax.distributed.shutdown()
-    rewards = sys.modules.get("bebop.rl.rewards")
+    rewards = sys.modules.get("bebop.rewards")
     if rewards is not None:  # its worker pool's semaphores, else reported leaked at exit
         rewards.shutdown()
     sys.stdout.flush()

@@ -29,7 +29,7 @@ arguments; one uniform per row, cycle and draft position, drawn in the same orde
 acceptance, so a higher acceptance never costs more cycles); the plain loop is exact.
 
 Step (`step_time`). The rollout worker samples and scores a batch (W = rollout + reward:
-rewards are scored in the worker, `rollout.Rollouts.__call__`); the learner updates (L).
+rewards are scored in the worker, `rl.rollouts.Rollouts.__call__`); the learner updates (L).
 Synchronous: step = W + L + overhead. Asynchronous (staleness >= 1: the next batch is sampled
 while the learner updates): step = max(W, L) + κ min(W, L) + overhead, where κ, the
 contention, is the share of the shorter phase that does not overlap: 0 when sampler and
@@ -186,7 +186,7 @@ def break_even_accept_len(costs: Costs, batch: int, gamma: int) -> float:
 def derived_table(
     alpha: float | Sequence[float], costs: Costs, num_draft: int, sizes: Sequence[int]
 ) -> tuple[tuple[int, int], ...]:
-    """The derived draft table (`compaction.draft_table`, as `rollout.Rollouts` derives it) over
+    """The derived draft table (`compaction.draft_table`, as `rl.rollouts.Rollouts` derives it) over
     the bucket sizes `sizes`."""
     return compaction.draft_table(alpha, {b: costs[b] for b in sizes}, num_draft)
 

@@ -467,7 +467,7 @@ def mtp_loss(
         pol_params = jax.lax.stop_gradient(pol_params)
         policy = nnx.merge(pol_gd, pol_params)
         tokens_BxT = batch.tokens
-        if batch.hidden is not None:  # precomputed (`mtp_train.policy_hiddens`, verification)
+        if batch.hidden is not None:  # precomputed (`stages.mtp.policy_hiddens`, verification)
             hidden_BxTxD = jax.lax.stop_gradient(batch.hidden)
         else:
             positions = jnp.broadcast_to(jnp.arange(tokens_BxT.shape[1]), tokens_BxT.shape)

@@ -38,7 +38,7 @@ class SamplingConfig:
     # Rows come in runs of this many identical prompts (GRPO groups): the prefill runs once per
     # run (`model.prefill_last`) and its caches are copied to the run's rows, each keeping its
     # own key: the samples of a prefill per row, to the float rounding of a B/G-row prefill.
-    # The caller guarantees the runs (`check_prompt_groups`; `rollout.Rollouts` checks).
+    # The caller guarantees the runs (`check_prompt_groups`; `rl.rollouts.Rollouts` checks).
     prompt_group: int = 1
 
     def __post_init__(self):

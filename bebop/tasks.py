@@ -13,7 +13,7 @@ policy is good but not perfect and RL has room to improve it. `countdown`: reach
 problems for chat models.
 
 Reward code parses text; it never evaluates model output as code, and completions are truncated
-before parsing. Rewards run in worker processes (`bebop/rl/rewards.py`), so reward functions are
+before parsing. Rewards run in worker processes (`bebop/rewards.py`), so reward functions are
 module-level functions and problems plain dataclasses (picklable).
 """
 

@@ -22,6 +22,7 @@ from bebop import (
     tasks,
 )
 from bebop import mtp as mtp_lib
+from bebop.rl import rollouts as rl_rollouts
 from bebop.speculative import SpecConfig
 from bebop.tokenizer import CharTokenizer
 
@@ -268,7 +269,7 @@ def test_rollouts_derive_the_draft_table_from_costs_and_the_running_acceptance()
             **{f"verify_{w}": 1 + per_token * (w - 1) for w in (2, 3, 4)},
         }
 
-    ro = rollout.Rollouts(
+    ro = rl_rollouts.Rollouts(
         cfg, None, None, CharTokenizer(), None, draft_costs={8: costs(0.1), 16: costs(0.5)}
     )
     assert ro.table == () and ro.acceptance is not None  # the first rollout: γ = 3 everywhere
@@ -286,7 +287,7 @@ def test_rollouts_derive_the_draft_table_from_costs_and_the_running_acceptance()
     # 3.2 % -> 1 kept. After 3: α = .425, 87/170, 54/87 (E = 1.425, 1.643, 1.778): 8 rows 1.19,
     # 1.17, 1.11 -> 1 (6.9 % over γ = 3); 16 rows 1 vs 0.89 -> 0. After 4, only these: α = .3,
     # .3, 1/3 (E = 1.3, 1.39, 1.42): 8 rows 1.08, 0.99, 0.89 -> 1; 16 rows 0.81 -> 0 (unchanged).
-    assert rollout.DRAFT_MARGIN == 0.05
+    assert rl_rollouts.DRAFT_MARGIN == 0.05
     low = ([100, 30, 9], [30, 9, 3])
     logged = [ro.update_draft_table(*low) for _ in range(4)]
     assert logged == [{}, {}, {"draft_table": [[8, 1], [16, 0]]}, {}]
@@ -381,15 +382,15 @@ def test_prompt_groups_are_checked_and_rollouts_use_them():
     mesh = sharding.make_mesh(config.MeshConfig(data=2), jax.devices()[:2])
     for compact, mesh_, group in ((False, None, 8), (False, mesh, 1), (True, mesh, 8)):
         cfg, _ = config.load(str(REPO / "configs/demo.py"), [f"rollout.compact={compact}"])
-        ro = rollout.Rollouts(cfg, None, None, CharTokenizer(), None, mesh=mesh_)
+        ro = rl_rollouts.Rollouts(cfg, None, None, CharTokenizer(), None, mesh=mesh_)
         assert ro.scfg.prompt_group == group, (compact, mesh_)
 
 
 def test_rollout_speedup_alternates_the_samplers_and_takes_each_ones_best(monkeypatch):
-    """`rollout.rollout_speedup` on scripted timings: one compiling call of each, then plain and
+    """`rl_rollouts.rollout_speedup` on scripted timings: one compiling call of each, then plain and
     speculative alternate; each is its best (seconds, tokens) call after the first."""
     cfg, _ = config.load(str(REPO / "configs/demo.py"), ["rl.speedup_repeats=3"])
-    ro = rollout.Rollouts(cfg, None, None, CharTokenizer(), tasks.make_task(cfg.task))
+    ro = rl_rollouts.Rollouts(cfg, None, None, CharTokenizer(), tasks.make_task(cfg.task))
     calls = []
     scripted = {  # per sampler: (seconds, tokens) of calls 0 (compiles), 1, 2, 3
         "plain": [(9.0, 100), (2.0, 100), (1.0, 120), (1.5, 100)],
@@ -403,7 +404,7 @@ def test_rollout_speedup_alternates_the_samplers_and_takes_each_ones_best(monkey
         return scripted[name][rep]
 
     monkeypatch.setattr(rollout, "_timed_rollout", fake)
-    res = rollout.rollout_speedup(ro, None, None, cfg)
+    res = rl_rollouts.rollout_speedup(ro, None, None, cfg)
     assert calls == [(n, r) for r in range(4) for n in ("plain", "spec")]
     assert res["plain_s"] == 1.0 and res["plain_tok_s"] == 120.0
     assert res["spec_s"] == 0.4 and res["spec_tok_s"] == 200.0
@@ -417,10 +418,12 @@ def test_a_derived_table_that_drafts_nowhere_is_probed_and_can_draft_again():
     cfg, _ = config.load(str(REPO / "configs/demo.py"), ["rollout.compact=True"])
     cfg = dataclasses.replace(cfg, rollout=dataclasses.replace(cfg.rollout, num_draft=3))
     dear = {"step": 1.0, "draft": 0.1, **{f"verify_{w}": 1 + 0.5 * (w - 1) for w in (2, 3, 4)}}
-    ro = rollout.Rollouts(cfg, None, None, CharTokenizer(), None, draft_costs={8: dear, 16: dear})
+    ro = rl_rollouts.Rollouts(
+        cfg, None, None, CharTokenizer(), None, draft_costs={8: dear, 16: dear}
+    )
     # α = 0.05, 0, 0: E_1 = 1.05 per 1.6 steps < 1 token a step -> γ = 0 at both sizes
     assert ro.update_draft_table([100, 10, 1], [5, 0, 0]) == {"draft_table": [[8, 0], [16, 0]]}
-    assert rollout.DRAFT_PROBE_EVERY == 16
+    assert rl_rollouts.DRAFT_PROBE_EVERY == 16
     logged = [ro.update_draft_table([0, 0, 0], [0, 0, 0]) for _ in range(16)]
     assert logged[:15] == [{}] * 15
     assert logged[15] == {"draft_table": [[8, 3], [16, 3]]}  # the probe

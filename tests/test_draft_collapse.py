@@ -11,6 +11,7 @@ import pytest
 from bebop import config as config_lib
 from bebop import sampling, speculative
 from bebop.config import ConfigError, ModelConfig
+from bebop.rl import rollouts as rl_rollouts
 from bebop.rl.guards import DraftCollapseError, DraftCollapseGuard
 from bebop.speculative import SpecConfig
 from bebop.tokenizer import CharTokenizer
@@ -95,7 +96,6 @@ def test_the_rl_stage_stops_when_mismatched_mtp_weights_are_loaded_mid_run(tmp_p
     it (acceptance 1); from batch 3 on the rollouts draft with another policy's MTP (MTP version
     1), as a broken weight sync would: with `rl.draft_collapse_action='error'` the run stops at
     step 3 naming the versions."""
-    from bebop import rollout
     from bebop.stages import rl as rl_stage
 
     from .test_hostile import _mesh, _save_params
@@ -129,7 +129,7 @@ def test_the_rl_stage_stops_when_mismatched_mtp_weights_are_loaded_mid_run(tmp_p
     ]
     cfg = config_lib.load(str(REPO / "configs" / "demo.py:runlocal"), overrides)[0]
 
-    class Swapped(rollout.Rollouts):
+    class Swapped(rl_rollouts.Rollouts):
         def __call__(self, i, version, pol_params, mtp_params, mtp_version):
             if i >= 3:  # mismatched MTP weights arrive with the next sync
                 mtp_params, mtp_version = jax.device_put(other), mtp_version + 1

@@ -9,11 +9,12 @@ import numpy as np
 import pytest
 from flax import nnx
 
-from bebop import compaction, model, rollout, tasks
+from bebop import compaction, model, tasks
 from bebop import config as config_lib
 from bebop import mtp as mtp_lib
 from bebop.config import ConfigError
 from bebop.rl import learner
+from bebop.rl import rollouts as rl_rollouts
 from bebop.tokenizer import CharTokenizer
 
 from .conftest import REPO
@@ -49,7 +50,7 @@ def _two_rollouts(cfg, tiny_cfg):
     }
     record, keep_hidden = learner.rollout_records(cfg)
     assert record
-    src = rollout.Rollouts(
+    src = rl_rollouts.Rollouts(
         cfg,
         pol_gd,
         mtp_gd,

@@ -8,10 +8,11 @@ import jax
 import pytest
 from flax import nnx
 
-from bebop import model, rollout, tasks
+from bebop import model, tasks
 from bebop import mtp as mtp_lib
 from bebop.mtp_losses import mtp_loss
 from bebop.rl import learner, loop
+from bebop.rl import rollouts as rl_rollouts
 from bebop.tokenizer import CharTokenizer
 from bebop.train import NonFiniteError
 
@@ -41,7 +42,7 @@ def test_growmtp_target_is_the_behaviour_versions_distribution(tiny_cfg):
     mtp_gd, mtp_params = _jit_init(lambda: mtp_lib.MTP(mcfg, 1, nnx.Rngs(params=1)))
     record, keep_hidden = learner.rollout_records(cfg)
     assert record and keep_hidden
-    rollouts = rollout.Rollouts(
+    rollouts = rl_rollouts.Rollouts(
         cfg, pol_gd, mtp_gd, tok, tasks.make_task(cfg.task), record, keep_hidden=keep_hidden
     )
     store = loop.WeightStore(keep=3)

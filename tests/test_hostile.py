@@ -15,14 +15,14 @@ import numpy as np
 import pytest
 
 from bebop import config as config_lib
-from bebop import model, policies, sampling, sharding, tasks
+from bebop import model, policies, rewards, sampling, sharding, tasks
 from bebop import mtp as mtp_lib
 from bebop.checkpoints.tokenizer_files import write_tokenizer
 from bebop.ckpt import Checkpointer, CheckpointRestoreError, restore_params
 from bebop.config import ConfigError, MeshConfig, ModelConfig, RunConfig, TaskConfig
 from bebop.finite import NonFiniteWeightsError
 from bebop.io import DamagedFileError
-from bebop.rl import grpo, rewards
+from bebop.rl import grpo
 from bebop.tokenizer import CharTokenizer
 
 from . import hostile_fns
@@ -334,7 +334,7 @@ _EXIT = """
 import sys
 sys.path.insert(0, {repo!r})
 import launch
-from bebop.rl import rewards
+from bebop import rewards
 from tests import hostile_fns
 
 if __name__ == "__main__":

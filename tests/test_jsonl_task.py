@@ -7,10 +7,9 @@ import numpy as np
 import pytest
 
 from bebop import config as config_lib
-from bebop import tasks
+from bebop import rewards, tasks
 from bebop.config import ConfigError, TaskConfig
 from bebop.io import DamagedFileError
-from bebop.rl import rewards
 from bebop.tokenizer import CharTokenizer
 
 from .conftest import REPO

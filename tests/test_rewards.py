@@ -7,9 +7,8 @@ import sys
 import numpy as np
 import pytest
 
-from bebop import tasks
+from bebop import rewards, tasks
 from bebop.config import TaskConfig
-from bebop.rl import rewards
 
 from . import reward_fns
 from .conftest import REPO
@@ -108,7 +107,7 @@ def test_failing_reward_function_fails_loudly():
 
 HANG = """
 import sys, time
-from bebop.rl import rewards
+from bebop import rewards
 from tests import reward_fns
 t0 = time.monotonic()
 r = rewards.score(reward_fns.hangs_on_b, ["a", "b", "c"], [None] * 3, {t}, 1, "zero")

@@ -15,10 +15,11 @@ import numpy as np
 import pytest
 
 from bebop import mtp as mtp_lib
-from bebop import policies, rollout, sharding, speculative, tasks
+from bebop import policies, rewards, sharding, speculative, tasks
 from bebop.config import MeshConfig
 from bebop.metrics import read_jsonl
-from bebop.rl import records, rewards
+from bebop.rl import records
+from bebop.rl import rollouts as rl_rollouts
 from bebop.speculative import ACCEPTED, REJECTED
 from bebop.stages import mtp as mtp_train
 from bebop.stages import rl as rl_stage
@@ -55,7 +56,7 @@ def _copy_pre(pretrained, dst):
     return dst
 
 
-class Capturing(rollout.Rollouts):
+class Capturing(rl_rollouts.Rollouts):
     """The real rollout source, keeping the speculative output the sampler returned for each
     batch (`captured[i]`)."""
 
@@ -79,7 +80,7 @@ def test_rollout_prompts_of_some_rows_are_those_rows_of_the_batch():
     """A process builds the prompts of its own rows only (`Rollouts.prompts(i, rows)`): they
     are exactly those rows of the whole batch (groups of `group_size` samples per problem)."""
     cfg = _rl_cfg("rl.prompts_per_step=3", "rl.group_size=2")
-    ro = rollout.Rollouts(cfg, None, None, CharTokenizer(), tasks.make_task(cfg.task))
+    ro = rl_rollouts.Rollouts(cfg, None, None, CharTokenizer(), tasks.make_task(cfg.task))
     problems, ids = ro.prompts(5)
     assert len(ids) == 6 and ids[0] == ids[1] and ids[0] != ids[2]
     some_problems, some_ids = ro.prompts(5, [4, 1, 5])
@@ -143,7 +144,7 @@ def test_mtp_strategies_never_touch_the_policy(pretrained, tmp_path):
     bitwise identical with MTP strategies frozen, online and growmtp, while the MTP does move."""
     recorded = {}
 
-    class Replay(rollout.Rollouts):
+    class Replay(rl_rollouts.Rollouts):
         def __init__(self, *a, record=False, keep_hidden=False, **k):
             # hiddens + cycle lengths for growmtp replays
             super().__init__(*a, record=True, keep_hidden=True, **k)

@@ -84,7 +84,7 @@ def run(cfg: RunConfig, workdir: Path, mesh) -> dict:
     draft = None
     if d.draft_from:
         mtp_gd, mtp_params, vocab = policies.load_mtp(cfg, Path(d.draft_from), policy.cfg, mesh)
-        spec = speculative.SpecConfig(cfg.rollout.num_draft, "rejection")
+        spec = rollout.spec_config(cfg.rollout, rule="rejection")
         draft = (mtp_gd, mtp_params, vocab, spec)
     bar = Progress(len(ids), 0, "distill")
     t0 = time.perf_counter()
@@ -92,7 +92,7 @@ def run(cfg: RunConfig, workdir: Path, mesh) -> dict:
         tokens, mask = sample_responses(
             (graphdef, params),
             ids,
-            rollout.sampling_config(cfg, tok),
+            rollout.sampling_config(cfg.rollout, tok),
             jax.random.key(cfg.seed + 1),
             d.batch_size,
             draft,

@@ -43,7 +43,7 @@ def evaluate(
 ) -> dict:
     """Real speculative rollouts on held-out prompts, both verification rules (prompts padded to
     at least `width`: sets of one size and width share the compiled samplers)."""
-    scfg = rollout.sampling_config(cfg, tok)
+    scfg = rollout.sampling_config(cfg.rollout, tok)
     toks, lens = sampling.pad_prompts(prompt_ids, tok.pad_id, min_width=width)
     res = {}
     for rule in ("rejection", "target_only"):

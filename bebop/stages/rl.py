@@ -7,14 +7,14 @@ batch, the strategy's update, the guards, publish the weights, log, checkpoint) 
 after RL -> plain vs speculative rollout timed on the same prompts -> `summary.json`.
 
 The MTP strategies (`rl.mtp_strategy`: frozen, online, joint, growmtp) are the step functions of
-`learner.MTP_STRATEGIES`; the rollouts come from `rollout.Rollouts` (or the `make_rollouts`
+`learner.MTP_STRATEGIES`; the rollouts come from `rl_rollouts.Rollouts` (or the `make_rollouts`
 argument, e.g. a test's recording source).
 
 Several processes: rollouts and learner steps launch their device programs in one deterministic
 order that every process follows (`loop.Turnstile`; why this and not disjoint rollout / learner
 sub-meshes: `bebop/rl/loop.py`), each step checks that all processes agree on step and versions,
 and process 0 alone writes metrics, draft records and the summary. Each process's rollouts
-prompt, sample and score its own rows of the batch (`rollout.Rollouts`), and the learner's batch
+prompt, sample and score its own rows of the batch (`rl_rollouts.Rollouts`), and the learner's batch
 is assembled from every process's rows (`loop.RolloutBatch.place`).
 
 Per step, `metrics.jsonl` gets the learner's metrics, the batch's rollout statistics
@@ -43,6 +43,7 @@ from bebop.config import RunConfig
 from bebop.fit import Interrupted, Preempted, preempted
 from bebop.metrics import MetricsWriter, Progress, Timer
 from bebop.rl import guards, learner, loop, records
+from bebop.rl import rollouts as rl_rollouts
 from bebop.train import TrainState, make_optimizer, schedule
 
 log = logging.getLogger(__name__)
@@ -87,10 +88,10 @@ def run(
     mesh,
     stop_at_step: int | None = None,
     task: tasks.Task | None = None,
-    make_rollouts=rollout.Rollouts,
+    make_rollouts=rl_rollouts.Rollouts,
 ) -> dict:
     """`task`: the RL task (default `tasks.make_task(cfg.task)`); `make_rollouts`: the rollout
-    source's constructor, called like `rollout.Rollouts`."""
+    source's constructor, called like `rl_rollouts.Rollouts`."""
     rdir, rl = Path(workdir) / "rl", cfg.rl
     policy = policies.load(cfg, workdir, mesh)
     pol_gd, pol_params, tok = policy.graphdef, policy.params, policy.tok
@@ -98,7 +99,7 @@ def run(
     mtp_gd, mtp_params, vocab = load_draft_model(cfg, workdir, policy, mesh)
     # The KL reference: the policy at RL start (also on resume), a copy the learner never donates.
     ref_params = loop.snapshot(pol_params) if rl.kl_coef > 0 else None
-    score = rollout.reward_scorer(rl)
+    score = rl_rollouts.reward_scorer(rl)
 
     def greedy_accuracy(params) -> float:
         return rollout.greedy_accuracy(
@@ -173,7 +174,9 @@ def run(
         loop.snapshot(mtp_state.params),
         versions["mtp"],
     )
-    scfg = rollout.sampling_config(cfg, tok)  # the learner's log-probs use the sampler's support
+    scfg = rollout.sampling_config(
+        cfg.rollout, tok
+    )  # the learner's log-probs use the sampler's support
     learn = learner.build(
         cfg,
         pol_gd,
@@ -298,7 +301,7 @@ def run(
     acc_after = greedy_accuracy(pol_state.params)
     speed = None
     if cfg.rl.speedup_repeats:
-        speed = rollout.rollout_speedup(rollouts, pol_state.params, mtp_state.params, cfg)
+        speed = rl_rollouts.rollout_speedup(rollouts, pol_state.params, mtp_state.params, cfg)
     summary = summarize(history, rl, acc_before, acc_after, rl_wall, timer.totals, speed)
     summary["eval_curve"] = [*evals, (rl.steps, acc_after)]  # (step, greedy accuracy)
     if sharding.is_primary():

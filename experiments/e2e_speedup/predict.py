@@ -54,7 +54,6 @@ from bebop import (  # noqa: E402
     costs,
     model,
     plots,
-    rollout,
     sampling,
     sharding,
     spec_compacted,
@@ -63,6 +62,7 @@ from bebop import (  # noqa: E402
 )
 from bebop import config as config_lib  # noqa: E402
 from bebop.rl import learner, loop  # noqa: E402
+from bebop.rl import rollouts as rl_rollouts
 from bebop.train import TrainState, make_optimizer  # noqa: E402
 from benchmarks.rollout import load_models  # noqa: E402
 from experiments import common  # noqa: E402
@@ -98,7 +98,7 @@ class Setup:
 
 def load(base: Path, model_name: str, config: str) -> Setup:
     """The base run's policy and MTP (`benchmarks.rollout.load_models`) and the RL batch's
-    prompts (`rollout.Rollouts`: batch 0, padded to the run's width)."""
+    prompts (`rl.rollouts.Rollouts`: batch 0, padded to the run's width)."""
     mesh = sharding.make_mesh(config_lib.MeshConfig(data=1), jax.devices()[:1])
     cfg = config_lib.load(str(common.REPO / config))[0]
     ns = argparse.Namespace(
@@ -111,7 +111,7 @@ def load(base: Path, model_name: str, config: str) -> Setup:
     )
     pol, mtp, vocab, tok, _, _ = load_models(ns, mesh)
     vocab = None if vocab is None else jnp.asarray(vocab)
-    src = rollout.Rollouts(cfg, pol[0], mtp[0], tok, tasks.make_task(cfg.task), vocab=vocab)
+    src = rl_rollouts.Rollouts(cfg, pol[0], mtp[0], tok, tasks.make_task(cfg.task), vocab=vocab)
     _, ids = src.prompts(0)
     toks, lens = src.place(ids)
     layers = model.decode_layers_jit(*pol)

@@ -193,7 +193,7 @@ def heldout(wd: Path, num_prompts: int, batch: int) -> dict:
     mtp_gd, mtp_params, vocab = policies.load_mtp(cfg, wd / "mtp" / "ckpt", policy.cfg, mesh)
     ids = prompts.prompt_ids(cfg, policy.tok, num_prompts, "eval", "task")
     toks, lens = sampling.pad_prompts(ids, policy.tok.pad_id)
-    scfg = rollout.sampling_config(cfg, policy.tok)
+    scfg = rollout.sampling_config(cfg.rollout, policy.tok)
     spec = speculative.SpecConfig(cfg.mtp.eval_draft, "rejection")
     acc, att, hist, overlap, drafted = [], [], [], [], []
     for i in range(0, len(ids), batch):
