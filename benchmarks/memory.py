@@ -38,6 +38,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import functools
 import json
 import os
 import sys
@@ -411,7 +412,7 @@ def programs(st: Setup, s: dict, names=None) -> dict:
         n = cfg.distill.batch_size
         d_toks = batch_sds(mesh, (n, p), jnp.int32)
         d_lens = batch_sds(mesh, (n,), jnp.int32)
-        layers = jax.eval_shape(lambda: model.decode_layers(*pol))
+        layers = jax.eval_shape(functools.partial(model.decode_layers, s["pol_gd"]), s["pol"])
         rep = sharding.replicated(mesh)
         layers = jax.tree.map(
             lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=rep), layers
