@@ -451,16 +451,14 @@ def decode_layers(graphdef, params) -> DecodeWeights:
     weight; make it once per parameter version, e.g. with `decode_layers_jit`, and pass it as
     `layers=` to calls in a loop: the samplers make it per call from the parameters the learner
     published, so it follows every version)."""
-    policy = nnx.merge(graphdef, params)
-    cdt = DTYPES[policy.cfg.dtype]
+    cfg = graphdef_config(graphdef, params)
+    # cast where each weight is stored (split over the mesh), then gathered in the compute dtype
+    policy = nnx.merge(graphdef, sharding.keep_stored_layout(to_compute(params, cfg)))
     head = policy.embed if policy.cfg.tie_embeddings else policy.lm_head
-    head_DxV = compute_weight(head, cdt)
+    head_DxV = head[...]
     head_DxV = head_DxV.T if policy.cfg.tie_embeddings else head_DxV
     block_gd = nnx.split(policy.layers)[0]
-    fused = [
-        nnx.split(fuse_block(nnx.merge(block_gd, s)))
-        for s in to_compute(unstack(policy.layers), policy.cfg)
-    ]
+    fused = [nnx.split(fuse_block(nnx.merge(block_gd, s))) for s in unstack(policy.layers)]
     # replicated over the mesh: data-parallel decoding, no per-step gather (`sharding`)
     layer_states, head_DxV = sharding.decode_replicated(([s for _, s in fused], head_DxV))
     return DecodeWeights(layer_states, head_DxV, fused[0][0])

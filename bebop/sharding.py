@@ -99,6 +99,26 @@ def constrain(x, axes: tuple[str | None, ...]):
     return jax.lax.with_sharding_constraint(x, NamedSharding(mesh, spec))
 
 
+def keep_stored_layout(state, rules=RULES):
+    """An nnx.State's values pinned to their stored layout (their logical `axes`), e.g. right
+    after a cast: a decode copy is cast where the weights lie, and only the compute-dtype
+    copy is gathered (half the bytes of gathering float32 masters, and no float32 copy of every
+    layer alive). Unchanged without an activation mesh."""
+    mesh = _ACTIVATION_MESH[0]
+    if mesh is None:
+        return state
+
+    def one(v):
+        axes = getattr(v, "axes", None)
+        if axes is None:
+            return v
+        x = v.get_value()
+        spec = spec_for(tuple(axes), tuple(x.shape), mesh, rules)
+        return v.replace(value=jax.lax.with_sharding_constraint(x, NamedSharding(mesh, spec)))
+
+    return jax.tree.map(one, state, is_leaf=is_var)
+
+
 def decode_replicated(tree):
     """A decode copy of the weights pinned replicated over the mesh (`activation_mesh`): every
     device decodes its own rows with whole weights, no per-step gather. Unchanged without one."""
