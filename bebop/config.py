@@ -51,6 +51,18 @@ def _positive(obj, prefix: str, *names: str) -> None:
         _require(getattr(obj, n) > 0, f"{prefix}{n}", f"must be > 0, got {getattr(obj, n)!r}")
 
 
+# `model.remat` values: no remat, one jax.checkpoint per block, or a named jax.checkpoint policy
+# (`jax.checkpoint_policies.<name>`, applied per block).
+REMAT_POLICIES = (
+    "nothing_saveable",
+    "everything_saveable",
+    "dots_saveable",
+    "dots_with_no_batch_dims_saveable",
+)
+REMAT_CHOICES = ("none", "block", *REMAT_POLICIES)
+ATTENTION_CHOICES = ("xla", "dot_product", "cudnn", "chunked")
+
+
 @dataclasses.dataclass(frozen=True)
 class ModelConfig:
     """Qwen2/Qwen3/Llama-family decoder. See `bebop/model.py`."""
@@ -80,6 +92,20 @@ class ModelConfig:
     # caches (`model.decode_layers`; a scanned decode step copied every weight: bebop/model.py).
     scan_layers: bool = True
     init_std: float = 0.02
+    # Rematerialisation of the full-sequence forward's blocks (training): "none" keeps every
+    # block's activations for the backward; "block" keeps only each block's input and recomputes
+    # the block in the backward (jax.checkpoint per block); or a jax.checkpoint_policies name
+    # (REMAT_POLICIES: e.g. "dots_saveable" also keeps matmul outputs). Cached forwards never
+    # remat. Same values, less memory, ~1/3 more learner compute.
+    remat: str = "none"
+    # Attention of the full-sequence forward (cached forwards always use `xla`):
+    #   xla          scores [B, H, T, S] float32 in one piece (`model.attend`);
+    #   dot_product  jax.nn.dot_product_attention, implementation picked by JAX (XLA today);
+    #   cudnn        jax.nn.dot_product_attention on cuDNN's flash kernel (GPU, bf16 only);
+    #   chunked      `attention_chunk` queries at a time, each chunk recomputed in the backward:
+    #                scores [B, H, attention_chunk, S] float32 at most (any backend).
+    attention: str = "xla"
+    attention_chunk: int = 512  # queries per chunk of `attention="chunked"`
 
     def validate(self, p: str = "model.") -> None:
         _positive(self, p, "vocab_size", "dim", "num_layers", "num_heads", "num_kv_heads")
@@ -90,6 +116,17 @@ class ModelConfig:
             f"num_heads={self.num_heads} is not divisible by num_kv_heads={self.num_kv_heads}",
         )
         _require(self.head_dim % 2 == 0, f"{p}head_dim", "must be even for RoPE")
+        _require(
+            self.remat in REMAT_CHOICES,
+            f"{p}remat",
+            f"unknown {self.remat!r}; known: {REMAT_CHOICES}",
+        )
+        _require(
+            self.attention in ATTENTION_CHOICES,
+            f"{p}attention",
+            f"unknown {self.attention!r}; known: {ATTENTION_CHOICES}",
+        )
+        _positive(self, p, "attention_chunk")
         for key in ("dtype", "param_dtype"):
             value = getattr(self, key)
             _require(
@@ -378,8 +415,18 @@ class RLConfig:
     draft_log_rows: int = 4  # rows per step whose drafted tokens go to rl/draft_tokens.bin
     speedup_repeats: int = 2  # timed plain-vs-speculative rollouts at the end (0 = skip)
     # Rows per gradient-accumulation chunk of the policy update (0 = the whole batch at once):
-    # bounds the learner's [rows, S, V] logits, e.g. 32 x 200 x 49152 float32 = 1.3 GB each.
+    # bounds the learner's activations (and without `logit_chunk` its [rows, S, V] float32
+    # logits, e.g. 32 x 200 x 49152 x 4 B = 1.3 GB). -1 = auto: the largest divisor of the batch
+    # whose estimated activations fit `memory_budget_gb` per device (`memory.auto_microbatch`).
     microbatch: int = 0
+    # Per-device bytes (GB = 1e9 B) the learner step's activations may take under
+    # `microbatch=-1`: the device's memory minus its resident state (params, optimizer, weight
+    # store, KV caches) minus headroom.
+    memory_budget_gb: float = 16.0
+    # Tokens per chunk of the learner's log-probs, entropy and KL (0 = the whole sequence): the
+    # head, log-softmax and top-k/top-p run on [rows, logit_chunk, V] at a time, recomputed in
+    # the backward, so no [rows, S, V] float32 array exists. Same values.
+    logit_chunk: int = 0
     optim: OptimConfig = OptimConfig(lr=2e-5, warmup_steps=0, schedule="constant", grad_clip=1.0)
     mtp_optim: OptimConfig = OptimConfig(lr=3e-4, warmup_steps=10, schedule="cosine")
 
@@ -401,10 +448,13 @@ class RLConfig:
         _require(self.eval_every >= 0, p + "eval_every", "must be >= 0 (0 = off)")
         rows = self.prompts_per_step * self.group_size
         _require(
-            self.microbatch >= 0 and (self.microbatch == 0 or rows % self.microbatch == 0),
+            self.microbatch in (-1, 0) or (self.microbatch > 0 and rows % self.microbatch == 0),
             p + "microbatch",
-            f"must be 0 (off) or divide the batch's prompts_per_step x group_size = {rows} rows",
+            f"must be 0 (off), -1 (auto) or divide the batch's prompts_per_step x group_size = "
+            f"{rows} rows, got {self.microbatch}",
         )
+        _require(self.memory_budget_gb > 0, p + "memory_budget_gb", "must be > 0")
+        _require(self.logit_chunk >= 0, p + "logit_chunk", "must be >= 0 (0 = off)")
         _require(self.draft_log_rows >= 0, p + "draft_log_rows", "must be >= 0 (0 = off)")
         strategies = ("frozen", "online", "joint", "growmtp")
         _require(self.mtp_strategy in strategies, p + "mtp_strategy", f"one of {strategies}")

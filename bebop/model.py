@@ -44,7 +44,7 @@ import jax.numpy as jnp
 from flax import nnx, struct
 
 from bebop import kvcache, sharding
-from bebop.config import ModelConfig
+from bebop.config import REMAT_CHOICES, REMAT_POLICIES, ConfigError, ModelConfig
 from bebop.kvcache import KVCache
 
 DTYPES = {"float32": jnp.float32, "bfloat16": jnp.bfloat16}
@@ -120,6 +120,56 @@ def attend(q_BxTxHxDh, k_BxKxSxDh, v_BxKxSxDh, mask_BxTxS):
     return out_BxKxGxTxDh.transpose(0, 3, 1, 2, 4).reshape(b, t, h, dh)
 
 
+def attend_chunked(q_BxTxHxDh, k_BxKxSxDh, v_BxKxSxDh, q_pos_BxT, k_pos_BxS, chunk: int):
+    """`attend` with the causal-by-position mask (key position <= query position), `chunk`
+    queries at a time (a `lax.map`), each chunk under `jax.checkpoint`: the float32 scores are
+    `[B, K, G, chunk, S]` at most, in the forward and in the backward (which recomputes one
+    chunk's scores at a time). Each query row's arithmetic is `attend`'s, so the outputs agree.
+    T is padded up to a multiple of `chunk` with queries at position -1 (they see no key; their
+    rows are dropped)."""
+    b, t, h, dh = q_BxTxHxDh.shape
+    if t <= chunk:
+        return attend(
+            q_BxTxHxDh, k_BxKxSxDh, v_BxKxSxDh, k_pos_BxS[:, None] <= q_pos_BxT[..., None]
+        )
+    n = -(-t // chunk)
+    pad = n * chunk - t
+    q = jnp.pad(q_BxTxHxDh, ((0, 0), (0, pad), (0, 0), (0, 0)))
+    pos = jnp.pad(q_pos_BxT, ((0, 0), (0, pad)), constant_values=-1)
+    q_NxBxCxHxDh = q.reshape(b, n, chunk, h, dh).swapaxes(0, 1)
+    pos_NxBxC = pos.reshape(b, n, chunk).swapaxes(0, 1)
+
+    @jax.checkpoint
+    def one(args):
+        q_c, pos_c = args
+        mask_BxCxS = k_pos_BxS[:, None, :] <= pos_c[:, :, None]
+        return attend(q_c, k_BxKxSxDh, v_BxKxSxDh, mask_BxCxS)
+
+    out_NxBxCxHxDh = jax.lax.map(one, (q_NxBxCxHxDh, pos_NxBxC))
+    return out_NxBxCxHxDh.swapaxes(0, 1).reshape(b, n * chunk, h, dh)[:, :t]
+
+
+def attend_full(cfg: ModelConfig, q_BxTxHxDh, k_BxKxSxDh, v_BxKxSxDh, q_pos_BxT, k_pos_BxS):
+    """The full-sequence (cacheless) forward's attention by `cfg.attention` (see `ModelConfig`):
+    every query attends to the keys at or before its position."""
+    if cfg.attention == "chunked":
+        return attend_chunked(
+            q_BxTxHxDh, k_BxKxSxDh, v_BxKxSxDh, q_pos_BxT, k_pos_BxS, cfg.attention_chunk
+        )
+    mask_BxTxS = k_pos_BxS[:, None, :] <= q_pos_BxT[:, :, None]
+    if cfg.attention == "xla":
+        return attend(q_BxTxHxDh, k_BxKxSxDh, v_BxKxSxDh, mask_BxTxS)
+    # jax.nn.dot_product_attention: keys and values [B, S, K, Dh] (GQA when K < H), a boolean
+    # mask broadcast over heads; softmax in float32; scale 1/sqrt(Dh) as in `attend`.
+    return jax.nn.dot_product_attention(
+        q_BxTxHxDh,
+        k_BxKxSxDh.transpose(0, 2, 1, 3),
+        v_BxKxSxDh.transpose(0, 2, 1, 3),
+        mask=mask_BxTxS[:, None],
+        implementation="cudnn" if cfg.attention == "cudnn" else None,
+    )
+
+
 class Attention(nnx.Module):
     def __init__(self, cfg: ModelConfig, rngs: nnx.Rngs):
         d, h, k, dh = cfg.dim, cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
@@ -156,6 +206,11 @@ class Attention(nnx.Module):
                 jnp.arange(keys.shape[2]), (keys.shape[0], keys.shape[2])
             )
             new_kv = (keys, values)
+        if kv is None and at_B is None and valid_BxS is None:  # the full-sequence forward
+            b, t, h, dh = q.shape
+            out_BxTxHxDh = attend_full(cfg, q, keys, values, positions_BxT, key_pos_BxS)
+            out_BxTxHDh = out_BxTxHxDh.reshape(b, t, h * dh)
+            return out_BxTxHDh @ compute_weight(self.wo, cdt).reshape(h * dh, -1), new_kv
         if at_B is not None:  # one query per row, against every key written above
             q, positions_BxT = take_at(q, at_B), take_at(positions_BxT, at_B)
         mask_BxTxS = key_pos_BxS[:, None, :] <= positions_BxT[:, :, None]
@@ -310,21 +365,48 @@ def unstack(blocks) -> list:
     ]
 
 
+def remat_policy(remat: str):
+    """The `jax.checkpoint` policy of `ModelConfig.remat` ("block": None, i.e. save nothing but
+    the block's inputs); an error naming the key for an unknown value."""
+    if remat == "block":
+        return None
+    if remat not in REMAT_POLICIES:
+        raise ConfigError(f"config key 'model.remat': unknown {remat!r}; known: {REMAT_CHOICES}")
+    return getattr(jax.checkpoint_policies, remat)
+
+
 def run_blocks(
-    blocks: Block, x_BxTxD, positions_BxT, kv=None, offsets_B=None, scan=False, layers=None
+    blocks: Block,
+    x_BxTxD,
+    positions_BxT,
+    kv=None,
+    offsets_B=None,
+    scan=False,
+    layers=None,
+    remat: str = "none",
 ):
     """Applies stacked blocks in order. `kv` is `(k, v)`, each a tuple of per-layer `[B, K, S, Dh]`
     arrays, or None. `layers`: the `DecodeWeights` made once outside a decode loop (its per-layer
     blocks are run instead of `blocks`' slices). Only a cacheless call with `scan` and no
-    `layers` scans."""
+    `layers` scans. `remat` (`ModelConfig.remat`, cacheless calls without `layers` only): each
+    block under `jax.checkpoint` with that policy, so the backward keeps the blocks' inputs (and
+    what the policy saves) and recomputes the rest one block at a time."""
     graphdef, state = nnx.split(blocks)
     num = jax.tree.leaves(state)[0].shape[0]
 
     def layer(x, layer_gd, layer_state, layer_kv):
         return nnx.merge(layer_gd, layer_state)(x, positions_BxT, layer_kv, offsets_B)
 
-    if scan and kv is None and layers is None:
-        return jax.lax.scan(lambda x, s: layer(x, graphdef, s, None), x_BxTxD, state)
+    if kv is None and layers is None:
+        step = lambda x, s: layer(x, graphdef, s, None)  # noqa: E731
+        if remat != "none":
+            # prevent_cse=False under scan (the loop already keeps the recompute apart)
+            step = jax.checkpoint(step, policy=remat_policy(remat), prevent_cse=not scan)
+        if scan:
+            return jax.lax.scan(step, x_BxTxD, state)
+        for i in range(num):
+            x_BxTxD, _ = step(x_BxTxD, jax.tree.map(lambda a, i=i: a[i], state))
+        return x_BxTxD, None
     new_k, new_v = [], []
     for i in range(num):
         layer_kv = None if kv is None else (kv[0][i], kv[1][i])
@@ -385,6 +467,15 @@ class Policy(nnx.Module):
             logits = jnp.einsum("btd,dv->btv", x32, self._head_weight())
         return sharding.constrain(logits, LOGITS_AXES)
 
+    def head_compute(self, x_BxTxD) -> jax.Array:
+        """`head` with the operands in the compute dtype and float32 accumulation (as the decode
+        copy's head): the same values as `head` (products of compute-dtype numbers are exact in
+        float32), without a float32 copy of the `[D, V]` weight or of `x`."""
+        cdt = DTYPES[self.cfg.dtype]
+        w = compute_weight(self.embed if self.cfg.tie_embeddings else self.lm_head, cdt)
+        eq = "btd,vd->btv" if self.cfg.tie_embeddings else "btd,dv->btv"
+        return jnp.einsum(eq, x_BxTxD.astype(cdt), w, preferred_element_type=jnp.float32)
+
     def logits_from_hidden(self, hidden_BxTxD, layers: DecodeWeights | None = None) -> jax.Array:
         if layers is None:
             return self.head(self.final_norm(hidden_BxTxD))
@@ -419,6 +510,7 @@ class Policy(nnx.Module):
             offsets_B,
             self.cfg.scan_layers,
             layers,
+            self.cfg.remat,
         )
         new_cache = None if cache is None else cache.replace(k=new_kv[0], v=new_kv[1])
         return hidden_BxTxD, new_cache

@@ -40,7 +40,7 @@ def load(cfg: RunConfig, workdir: Path, mesh) -> LoadedPolicy:
         m = cfg.model
         loaded = gguf.load(path, mesh, m.dtype, m.scan_layers, m.param_dtype, src.num_layers)
         check_vocab(loaded.tok.vocab_size, loaded.cfg.vocab_size, str(path), str(path))
-        return loaded
+        return with_run_knobs(loaded, m)
     from bebop.checkpoints import hf
 
     m = cfg.model
@@ -48,7 +48,22 @@ def load(cfg: RunConfig, workdir: Path, mesh) -> LoadedPolicy:
     loaded = hf.load(path, mesh, m.dtype, m.scan_layers, m.param_dtype, src.num_layers)
     tok = hf_tokenizer(path)
     check_vocab(tok.vocab_size, loaded.cfg.vocab_size, f"{path}/tokenizer.json", str(path))
-    return dataclasses.replace(loaded, tok=tok)
+    return dataclasses.replace(with_run_knobs(loaded, m), tok=tok)
+
+
+# `ModelConfig` fields that are how bebop runs an architecture, not part of it: a checkpoint's
+# architecture takes them from the run's `model.*` keys.
+RUN_KNOBS = ("remat", "attention", "attention_chunk")
+
+
+def with_run_knobs(loaded: LoadedPolicy, run_model: ModelConfig) -> LoadedPolicy:
+    """A checkpoint's policy with the run's `RUN_KNOBS` (`model.remat`, `model.attention`, ...)
+    in its architecture and graph (the parameters are unchanged)."""
+    knobs = {k: getattr(run_model, k) for k in RUN_KNOBS}
+    if all(getattr(loaded.cfg, k) == v for k, v in knobs.items()):
+        return loaded
+    cfg = dataclasses.replace(loaded.cfg, **knobs)
+    return dataclasses.replace(loaded, cfg=cfg, graphdef=model.abstract(cfg)[0])
 
 
 def hf_dir(cfg: RunConfig, workdir: Path) -> Path:

@@ -25,8 +25,9 @@ import dataclasses
 import jax
 import jax.numpy as jnp
 import numpy as np
+from flax import nnx
 
-from bebop import model, sampling
+from bebop import sampling
 from bebop.sampling import SamplingConfig
 
 
@@ -38,9 +39,10 @@ def advantages(rewards_PxG: np.ndarray, std_norm: bool = True, eps: float = 1e-6
 
 
 def _logits(graphdef, params, tokens_BxS):
-    inputs = tokens_BxS[:, :-1]
-    pos = jnp.broadcast_to(jnp.arange(inputs.shape[1]), inputs.shape)
-    return model.forward(graphdef, params, inputs, pos)[0].astype(jnp.float32)
+    """float32 logits `[B, S - 1, V]` of tokens[:, 1:]; the head in the compute dtype with float32
+    accumulation (`Policy.head_compute`)."""
+    policy, xn_BxTxD = _normed_hidden(graphdef, params, tokens_BxS)
+    return policy.head_compute(xn_BxTxD)
 
 
 def _at_tokens(logp_BxTxV, tokens_BxS):
@@ -79,6 +81,66 @@ def k3_kl(logits_BxTxV, ref_logits_BxTxV, tokens_BxS, scfg: SamplingConfig):
     return jnp.maximum(jnp.expm1(d) - d, 0.0)  # expm1 and the floor: no float32 round-off < 0
 
 
+def _normed_hidden(graphdef, params, tokens_BxS):
+    """(policy module, final-normed last-layer hiddens `[B, S - 1, D]` of the inputs
+    tokens[:, :-1], in the compute dtype): what the head turns into the logits of tokens[:, 1:]."""
+    policy = nnx.merge(graphdef, params)
+    inputs = tokens_BxS[:, :-1]
+    pos = jnp.broadcast_to(jnp.arange(inputs.shape[1]), inputs.shape)
+    hidden_BxTxD, _ = policy.hidden(inputs, pos)
+    return policy, policy.final_norm(hidden_BxTxD)
+
+
+def chunked_token_stats(
+    graphdef, params, tokens_BxS, scfg: SamplingConfig, chunk: int, ref_params=None
+):
+    """`token_logprobs` (log-prob and entropy at every position) and, with `ref_params`, the
+    `k3_kl` term, from `chunk` positions at a time: per chunk the head (compute-dtype operands,
+    float32 accumulation: `Policy.head_compute`), the log-softmax with temperature / top-k / top-p
+    (`sampling.stats_logprobs`) and the token's log-prob, in a `lax.map` whose body is under
+    `jax.checkpoint`, so neither the forward nor the backward holds more than one chunk's
+    `[B, chunk, V]` float32 logits. The same per-position arithmetic as the unchunked functions.
+    Returns (logp_BxS, entropy_BxS, kl_BxS or None), aligned with tokens (position 0: 0)."""
+    policy, xn_BxTxD = _normed_hidden(graphdef, params, tokens_BxS)
+    ref = None
+    if ref_params is not None:
+        ref_policy, ref_xn = _normed_hidden(graphdef, ref_params, tokens_BxS)
+        ref = (ref_policy, jax.lax.stop_gradient(ref_xn))
+    targets_BxT = tokens_BxS[:, 1:]
+    b, t = targets_BxT.shape
+    n = -(-t // chunk)
+    pad = n * chunk - t
+
+    def chunks(x):  # [B, T, ...] -> [N, B, chunk, ...] (padded positions: zeros, dropped below)
+        x = jnp.pad(x, ((0, 0), (0, pad)) + ((0, 0),) * (x.ndim - 2))
+        return x.reshape(b, n, chunk, *x.shape[2:]).swapaxes(0, 1)
+
+    full = untruncated(scfg)
+
+    @jax.checkpoint
+    def one(args):
+        xn, tgt = args[0], args[1]
+        logits = policy.head_compute(xn)
+        logp_all = sampling.stats_logprobs(logits, scfg)
+        logp = jnp.take_along_axis(logp_all, tgt[..., None], axis=-1)[..., 0]
+        ent = jax.lax.stop_gradient(sampling.entropy(logp_all))
+        if ref is None:
+            return logp, ent, jnp.zeros_like(logp)
+        pick = lambda lp: jnp.take_along_axis(lp, tgt[..., None], axis=-1)[..., 0]  # noqa: E731
+        logp_full = pick(sampling.stats_logprobs(logits, full))
+        ref_logits = jax.lax.stop_gradient(ref[0].head_compute(args[2]))
+        d = jax.lax.stop_gradient(pick(sampling.stats_logprobs(ref_logits, full))) - logp_full
+        return logp, ent, jnp.maximum(jnp.expm1(d) - d, 0.0)
+
+    xs = (chunks(xn_BxTxD), chunks(targets_BxT)) + (() if ref is None else (chunks(ref[1]),))
+    outs = jax.lax.map(one, xs)
+    zero = jnp.zeros((b, 1), jnp.float32)
+    logp, ent, kl = (
+        jnp.concatenate([zero, o.swapaxes(0, 1).reshape(b, n * chunk)[:, :t]], 1) for o in outs
+    )
+    return logp, ent, (None if ref is None else kl)
+
+
 def chunk_weight(agg: str):
     """The denominator of `policy_loss`'s mean over a batch (chunk): its response tokens under
     token aggregation, its rows under sequence aggregation -- the weights that make gradient
@@ -99,13 +161,26 @@ def policy_loss(
     agg,
     scfg: SamplingConfig,
     ref_params=None,
+    logit_chunk: int = 0,
 ):
     """`batch`: a `loop.LearnerBatch` (tokens [B, S], mask [B, S] 1 on response tokens,
     behaviour_logp [B, S] aligned with tokens, adv [B]). `scfg`: the rollout sampler's config (its
-    support defines the log-probs). With kl_coef > 0, `ref_params`: the reference policy."""
+    support defines the log-probs). With kl_coef > 0, `ref_params`: the reference policy.
+    `logit_chunk` > 0 (`rl.logit_chunk`): the log-probs, entropy and KL from that many positions
+    at a time (`chunked_token_stats`), never a `[B, S, V]` float32 array."""
     tokens = batch.tokens
-    logits = _logits(graphdef, params, tokens)
-    logp, ent = _token_stats(logits, tokens, scfg)
+    if kl_coef > 0 and ref_params is None:
+        raise ValueError("rl.kl_coef > 0: the GRPO loss needs the reference policy's params")
+    if logit_chunk:
+        logp, ent, kl = chunked_token_stats(
+            graphdef, params, tokens, scfg, logit_chunk, ref_params if kl_coef > 0 else None
+        )
+    else:
+        logits = _logits(graphdef, params, tokens)
+        logp, ent = _token_stats(logits, tokens, scfg)
+        if kl_coef > 0:
+            ref_logits = jax.lax.stop_gradient(_logits(graphdef, ref_params, tokens))
+            kl = k3_kl(logits, ref_logits, tokens, scfg)
     mask = batch.mask
     ratio = jnp.exp(logp - batch.behaviour_logp)
     adv = batch.adv[:, None]
@@ -115,10 +190,6 @@ def policy_loss(
     n = jnp.maximum(mask.sum(), 1.0)
     metrics = {}
     if kl_coef > 0:
-        if ref_params is None:
-            raise ValueError("rl.kl_coef > 0: the GRPO loss needs the reference policy's params")
-        ref_logits = jax.lax.stop_gradient(_logits(graphdef, ref_params, tokens))
-        kl = k3_kl(logits, ref_logits, tokens, scfg)
         per_tok = per_tok + kl_coef * kl
         metrics["kl"] = (kl * mask).sum() / n
     if agg == "token":
