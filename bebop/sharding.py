@@ -119,6 +119,14 @@ def keep_stored_layout(state, rules=RULES):
     return jax.tree.map(one, state, is_leaf=is_var)
 
 
+def batch_shards() -> int:
+    """Devices a batch is split over on the activation mesh (1 without one)."""
+    mesh = _ACTIVATION_MESH[0]
+    if mesh is None:
+        return 1
+    return math.prod(mesh.shape[a] for a in ACTIVATION_RULES["batch"])
+
+
 def decode_replicated(tree):
     """A decode copy of the weights pinned replicated over the mesh (`activation_mesh`): every
     device decodes its own rows with whole weights, no per-step gather. Unchanged without one."""

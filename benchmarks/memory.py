@@ -227,19 +227,24 @@ def state_at(st: Setup, layers: int):
     }
 
 
-def resident(st: Setup, s: dict) -> dict:
-    """Resident state per device (bytes) of the RL stage, the largest: what lives between
-    programs. The weight store keeps `rl.max_staleness + 2` published versions (`loop`)."""
+def resident(st: Setup, s: dict, stage: str = "rl") -> dict:
+    """Resident state per device (bytes) of a stage: what lives between its programs. `rl`: the
+    policy's train state, the weight store's `rl.max_staleness + 2` published versions
+    (`loop.WeightStore`), the MTP's train state (and the KL reference); `mtp`: the frozen policy
+    and the MTP's train state; `distill`: the policy."""
     cfg = st.cfg
     params = nbytes_per_device(s["pol"])
+    if stage == "distill":
+        return {"params": params}
+    if stage == "mtp":
+        return {"params": params, "mtp": nbytes_per_device(s["mtp_train_state"])}
     pol_state = nbytes_per_device(s["pol_state"])
-    mtp_state = nbytes_per_device(s["mtp_state"])
     keep = cfg.rl.max_staleness + 2
     out = {
         "params": params,
         "optimizer": pol_state - params,
         "weight_store": keep * (store_bytes(st, s["pol"]) + store_bytes(st, s["mtp"])),
-        "mtp": mtp_state,
+        "mtp": nbytes_per_device(s["mtp_state"]),
     }
     if cfg.rl.kl_coef > 0:
         out["kl_reference"] = params
@@ -291,19 +296,24 @@ def decode_copy_bytes(arch, layers: int | None = None) -> int:
 
 
 def sampler_estimate(arch, rows_local: int, prompt: int, new: int, extra_len: int = 0) -> int:
-    """Plain (and, with `extra_len`, speculative) sampler transients: KV cache + decode copy +
-    the prefill's activations + a few [rows, V] float32 arrays (logits, log-probs, sampling)."""
+    """Plain (and, with `extra_len`, speculative) sampler transients: the KV cache twice (the
+    prefill's and the decode loop's state: XLA copies the loop's initial state; measured on
+    XLA:CPU at float32, `tests/test_memory_plan.py`), the decode copy, the prefill's activations
+    and a few [rows, V] float32 arrays (logits, log-probs, sampling). At bfloat16 XLA:CPU's
+    figure is higher still: it writes a bfloat16 cache through a float32 scatter."""
     length = prompt + new + extra_len
     act = rows_local * prompt * (4 * arch.dim + 2 * arch.ffw_dim) * 4
     return (
-        kv_bytes(arch, rows_local, length)
+        2 * kv_bytes(arch, rows_local, length)
         + decode_copy_bytes(arch)
         + act
         + 6 * rows_local * arch.vocab_size * 4
     )
 
 
-def learner_estimate(arch, rows_local: int, seq: int, params_local: int) -> int:
+def learner_estimate(
+    arch, rows_local: int, seq: int, params_local: int, logit_chunk=0, kl=False, truncated=False
+) -> int:
     """The learner step's transients: saved activations of every layer for the backward (compute
     dtype: block input, normed inputs, q/k/v, attention output, gate/up/hidden; float32 attention
     probabilities [H, T, T]), the float32 logits and their log-softmax / gradient, one layer's
@@ -315,11 +325,18 @@ def learner_estimate(arch, rows_local: int, seq: int, params_local: int) -> int:
 
     b = np.dtype(DTYPES[arch.dtype]).itemsize
     d, f, h, k, dh = arch.dim, arch.ffw_dim, arch.num_heads, arch.num_kv_heads, arch.head_dim
+    layer_w = 4 * (d * (h + 2 * k) * dh + h * dh * d + 3 * d * f)
+    try:  # the learner's own per-row model (remat, attention, logit chunks), where there is one
+        from bebop.rl.microbatch import learner_row_bytes
+    except ImportError:
+        learner_row_bytes = None
+    if learner_row_bytes is not None:
+        row = learner_row_bytes(arch, seq + 1, logit_chunk, kl, truncated)
+        return rows_local * row + 2 * layer_w + 3 * params_local
     per_tok_layer = b * (4 * d + 3 * f + 2 * (h + 2 * k) * dh) + 4 * 2 * d
     scores = 4 * 2 * h * seq  # probabilities and scores, per token
     act = rows_local * seq * arch.num_layers * (per_tok_layer + scores)
     logits = 3 * rows_local * seq * arch.vocab_size * 4
-    layer_w = 4 * (d * (h + 2 * k) * dh + h * dh * d + 3 * d * f)
     return act + logits + 2 * layer_w + 3 * params_local
 
 
@@ -362,7 +379,16 @@ def programs(st: Setup, s: dict, names=None) -> dict:
         )
         ref = s["pol"] if cfg.rl.kl_coef > 0 else None
         mb = cfg.rl.microbatch or rows
-        est = learner_estimate(arch, max(mb // nb, 1), width - 1, nbytes_per_device(s["pol"]))
+        r = cfg.rollout
+        est = learner_estimate(
+            arch,
+            max(mb // nb, 1),
+            width - 1,
+            nbytes_per_device(s["pol"]),
+            getattr(cfg.rl, "logit_chunk", 0),
+            cfg.rl.kl_coef > 0,
+            bool(r.top_k) or r.top_p < 1.0,
+        )
         out["learner_step"] = (
             learn.policy_step,
             (s["pol_state"], batch, ref),
@@ -452,6 +478,13 @@ def programs(st: Setup, s: dict, names=None) -> dict:
     return out
 
 
+STAGE_OF = {"distill_sampler": "distill", "mtp_train_step": "mtp"}
+
+
+def stage_of(name: str) -> str:
+    return next((v for k, v in STAGE_OF.items() if name.startswith(k)), "rl")
+
+
 def compile_at(st: Setup, layers: int, names=None, log=print) -> dict:
     """{name: Program} compiled at depth `layers` (aliases of another program copied)."""
     from bebop import sharding
@@ -510,6 +543,10 @@ def main(argv=None) -> dict:
         param_dtype=cfg.model.param_dtype,
         scan_layers=cfg.model.scan_layers,
     )
+    from bebop import policies
+
+    knobs = getattr(policies, "RUN_KNOBS", ())  # how the run executes the architecture
+    arch = dataclasses.replace(arch, **{k: getattr(cfg.model, k) for k in knobs})
     tpu = "tpu" in Path(args.config).name
     budget = args.budget_gb or (95.0 if tpu else 80.0)
     real = args.pod_devices or (64 if cfg.distributed.auto else args.devices)
@@ -547,21 +584,25 @@ def main(argv=None) -> dict:
             check[name] = (pred[name].transient - prog.transient) / max(prog.transient, 1)
     s_full = state_at(st, full)
     res = resident(st, s_full)
+    stage_res = {k: sum(resident(st, s_full, k).values()) for k in ("rl", "mtp", "distill")}
     est = programs(st, s_full, names)
     resident_total = sum(res.values())
     rows = {}
     for name, prog in progs.items():
         rows[name] = {
-            "peak_gb": (resident_total + prog.transient) / GB,
+            "stage": stage_of(name),
+            "peak_gb": (stage_res[stage_of(name)] + prog.transient) / GB,
             "transient_gb": prog.transient / GB,
             "temp_gb": prog.temp / GB,
             "estimate_gb": (est[name][4] or 0) / GB,
         }
-    if one_process and "learner_step" in progs:
+    # one process: the rollout worker's sampler runs while the learner steps (with staleness)
+    if one_process and st.cfg.rl.max_staleness > 0 and "learner_step" in progs:
         roll = "rollout_speculative" if "rollout_speculative" in progs else "rollout_plain"
         if roll in progs:
             both = progs["learner_step"].transient + progs[roll].transient
             rows["learner + rollout"] = {
+                "stage": "rl",
                 "peak_gb": (resident_total + both) / GB,
                 "transient_gb": both / GB,
                 "temp_gb": (progs["learner_step"].temp + progs[roll].temp) / GB,
@@ -569,10 +610,14 @@ def main(argv=None) -> dict:
             }
     peak = max(r["peak_gb"] for r in rows.values())
     target = 0.9 * budget
-    print(f"\nresident state per device ({full} layers):")
+    print(f"\nresident state per device ({full} layers), rl stage:")
     for k, v in res.items():
         print(f"  {k:<28} {v / GB:8.2f} GB")
     print(f"  {'total':<28} {resident_total / GB:8.2f} GB")
+    print(
+        f"  (mtp stage: {stage_res['mtp'] / GB:.2f} GB: frozen policy + MTP train state; "
+        f"distill stage: {stage_res['distill'] / GB:.2f} GB: the policy)"
+    )
     r0 = st.cfg.rl.prompts_per_step * st.cfg.rl.group_size // (fake_data * fsdp)
     length = st.prompt_len + st.cfg.rollout.max_new_tokens
     print(
@@ -580,11 +625,12 @@ def main(argv=None) -> dict:
         f"({r0} rows x {length} slots per device), decode copy "
         f"{decode_copy_bytes(arch) / GB:.2f} GB (whole on every device)"
     )
-    print(f"\n{'program':<34}{'temp':>8}{'transient':>11}{'estimate':>10}{'peak':>8}  fits")
+    print(f"\n{'program (stage)':<40}{'temp':>8}{'transient':>11}{'estimate':>10}{'peak':>8}  fits")
     for name, r in rows.items():
         ok = "yes" if r["peak_gb"] <= budget else "NO"
+        label = f"{name} ({r['stage']})"
         print(
-            f"{name:<34}{r['temp_gb']:8.2f}{r['transient_gb']:11.2f}{r['estimate_gb']:10.2f}"
+            f"{label:<40}{r['temp_gb']:8.2f}{r['transient_gb']:11.2f}{r['estimate_gb']:10.2f}"
             f"{r['peak_gb']:8.2f}  {ok}"
         )
     how = f"compiled at {depths} layers, extrapolated linearly to {full}"
@@ -594,14 +640,20 @@ def main(argv=None) -> dict:
             f"; at {args.check_layers} layers the extrapolation is off by at most "
             f"{100 * abs(worst[1]):.1f} % ({worst[0]})"
         )
-    print(f"\n{how}. GB = 1e9 bytes per device. Peak = resident + transient.")
+    print(
+        f"\n{how}. GB = 1e9 bytes per device. Peak = the stage's resident state + transient. "
+        "Estimates are analytic (accelerator layout); temp and transient are XLA:CPU's."
+    )
     print(f"budget {budget:g} GB, target {target:g} GB (90 %): peak {peak:.2f} GB")
     wall = time.perf_counter() - t_start
     result = {
         "config": args.config,
         "arch": args.arch,
         "machine": machine,
-        "programs": {k: {kk: round(vv, 3) for kk, vv in v.items()} for k, v in rows.items()},
+        "programs": {
+            k: {kk: (round(vv, 3) if isinstance(vv, float) else vv) for kk, vv in v.items()}
+            for k, v in rows.items()
+        },
         "resident_gb": round(resident_total / GB, 3),
         "resident": {k: round(v / GB, 3) for k, v in res.items()},
         "peak_gb": round(peak, 3),
