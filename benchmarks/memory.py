@@ -443,7 +443,8 @@ def programs(st: Setup, s: dict, names=None) -> dict:
         layers = jax.tree.map(
             lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=rep), layers
         )
-        est = sampler_estimate(arch, max(n // nb, 1), p, new) - decode_copy_bytes(arch)
+        # the decode copy is made once for every batch (`distill.sample_responses`): an input
+        est = sampler_estimate(arch, max(n // nb, 1), p, new)
         copy = nbytes_per_device(layers)
         if cfg.distill.draft_from:
             dspec = speculative.SpecConfig(cfg.rollout.num_draft, "rejection")
