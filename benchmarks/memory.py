@@ -84,6 +84,12 @@ def set_device_count(n: int) -> None:
 # ----------------------------------------------------------------------------- sizes
 
 
+def jax_jit(fn, **kw):
+    import jax
+
+    return jax.jit(fn, **kw)
+
+
 def nbytes_per_device(tree) -> int:
     """Bytes one device holds of a tree of ShapeDtypeStructs carrying shardings (the largest
     shard; replicated leaves whole)."""
@@ -117,8 +123,16 @@ class Program:
 
 
 def compile_figures(fn, args, kwargs=None) -> dict:
-    """memory_analysis() of `fn` lowered and compiled at `args` (ShapeDtypeStructs)."""
-    c = fn.lower(*args, **(kwargs or {})).compile()
+    """memory_analysis() of `fn` lowered and compiled at `args` (ShapeDtypeStructs). A step
+    that picks its jitted program when called (`train.jit_pinned`, a learner step per row
+    width) is traced inside one `jax.jit` (its inner jit inlined), the train state donated as
+    the run donates it (`kwargs["donate"]`)."""
+    kwargs = dict(kwargs or {})
+    donate = kwargs.pop("donate", ())
+    if not hasattr(fn, "lower"):
+        inner = fn
+        fn = jax_jit(lambda *a: inner(*a), donate_argnums=donate)
+    c = fn.lower(*args, **kwargs).compile()
     ma = c.memory_analysis()
     return {
         "temp": int(ma.temp_size_in_bytes),
@@ -139,6 +153,7 @@ class Setup:
     mesh: object
     scale: float  # fake rows / real rows
     prompt_len: int
+    microbatch: int = 0  # the learner's rows per accumulation chunk (set by `programs`)
     eos: tuple = (151645,)
     pad: int = 151643
 
@@ -258,13 +273,15 @@ def store_bytes(st: Setup, params) -> int:
 
     from bebop.rl import loop
 
-    dtype = getattr(loop, "BEHAVIOUR_DTYPE", None)  # a decode-dtype store, where there is one
-    if dtype is None:
+    if not hasattr(loop, "behaviour_copy"):  # a store of float32 snapshots
         return nbytes_per_device(params)
-    cast = jax.tree.map(
-        lambda x: jax.ShapeDtypeStruct(x.shape, jnp.dtype(dtype), sharding=x.sharding), params
-    )
-    return nbytes_per_device(cast)
+    dt = jnp.dtype(st.arch.dtype)  # behaviour versions in the decode dtype
+
+    def one(x):
+        floating = jnp.issubdtype(x.dtype, jnp.floating)
+        return jax.ShapeDtypeStruct(x.shape, dt if floating else x.dtype, sharding=x.sharding)
+
+    return nbytes_per_device(jax.tree.map(one, params))
 
 
 # ----------------------------------------------------------------------------- analytic
@@ -368,8 +385,20 @@ def programs(st: Setup, s: dict, names=None) -> dict:
 
     # learner step (per microbatch: `rl.microbatch` rows at a time inside the step)
     if want("learner_step"):
+        build_kw = {}
+        if hasattr(learner, "microbatch_rows"):  # `rl.microbatch=-1` sized for this mesh
+            build_kw = dict(model_cfg=arch, batch_shards=nb)
         learn = learner.build(
-            cfg, s["pol_gd"], s["mtp_gd"], scfg, None, s["opt"], s["mtp_opt"], None, None
+            cfg,
+            s["pol_gd"],
+            s["mtp_gd"],
+            scfg,
+            None,
+            s["opt"],
+            s["mtp_opt"],
+            None,
+            None,
+            **build_kw,
         )
         batch = loop.LearnerBatch(
             batch_sds(mesh, (rows, width), jnp.int32),
@@ -378,7 +407,11 @@ def programs(st: Setup, s: dict, names=None) -> dict:
             batch_sds(mesh, (rows,), jnp.float32),
         )
         ref = s["pol"] if cfg.rl.kl_coef > 0 else None
-        mb = cfg.rl.microbatch or rows
+        if hasattr(learner, "microbatch_rows"):
+            mb = learner.microbatch_rows(cfg, arch, width, nb)
+        else:
+            mb = cfg.rl.microbatch or rows
+        st.microbatch = mb
         r = cfg.rollout
         est = learner_estimate(
             arch,
@@ -392,13 +425,19 @@ def programs(st: Setup, s: dict, names=None) -> dict:
         out["learner_step"] = (
             learn.policy_step,
             (s["pol_state"], batch, ref),
-            {},
+            {"donate": (0,)},
             nbytes_per_device(batch),
             est,
             None,
         )
     if want("weight_publish"):
-        snap = jax.jit(loop.snapshot)
+        if hasattr(loop, "behaviour_copy"):  # behaviour versions in the decode dtype
+
+            def snap(tree):
+                return jax.tree.map(lambda t: loop.behaviour_copy(t, arch.dtype), tree)
+
+        else:
+            snap = jax.jit(loop.snapshot)
         tree = (s["pol"], s["mtp"])
         out["weight_publish"] = (snap, (tree,), {}, 0, store_bytes(st, tree), None)
     toks = batch_sds(mesh, (rows, p), jnp.int32)
@@ -611,6 +650,9 @@ def main(argv=None) -> dict:
             }
     peak = max(r["peak_gb"] for r in rows.values())
     target = 0.9 * budget
+    if st.microbatch:
+        mb_dev = st.microbatch // (fake_data * fsdp)
+        print(f"learner microbatch: {st.microbatch} rows of the fake mesh ({mb_dev} per device)")
     print(f"\nresident state per device ({full} layers), rl stage:")
     for k, v in res.items():
         print(f"  {k:<28} {v / GB:8.2f} GB")
@@ -663,6 +705,7 @@ def main(argv=None) -> dict:
         "fits": peak <= budget,
         "meets_target": peak <= target,
         "layers_compiled": depths,
+        "learner_microbatch_per_device": st.microbatch // (fake_data * fsdp),
         "linearity_error": {k: round(v, 4) for k, v in check.items()},
         "wall_s": round(wall, 1),
     }
