@@ -96,7 +96,8 @@ class ModelConfig:
     # block's activations for the backward; "block" keeps only each block's input and recomputes
     # the block in the backward (jax.checkpoint per block); or a jax.checkpoint_policies name
     # (REMAT_POLICIES: e.g. "dots_saveable" also keeps matmul outputs). Cached forwards never
-    # remat. Same values, less memory, ~1/3 more learner compute.
+    # remat; a remat forward scans its layers even without `scan_layers` (unrolled, XLA kept
+    # every block's recompute alive). Same values, less memory, ~1/3 more learner compute.
     remat: str = "none"
     # Attention of the full-sequence forward (cached forwards always use `xla`):
     #   xla          scores [B, H, T, S] float32 in one piece (`model.attend`);

@@ -389,8 +389,9 @@ def run_blocks(
     arrays, or None. `layers`: the `DecodeWeights` made once outside a decode loop (its per-layer
     blocks are run instead of `blocks`' slices). Only a cacheless call with `scan` and no
     `layers` scans. `remat` (`ModelConfig.remat`, cacheless calls without `layers` only): each
-    block under `jax.checkpoint` with that policy, so the backward keeps the blocks' inputs (and
-    what the policy saves) and recomputes the rest one block at a time."""
+    block under `jax.checkpoint` with that policy, in a scan whatever `scan` says, so the
+    backward keeps the blocks' inputs (and what the policy saves) and recomputes the rest one
+    block at a time."""
     graphdef, state = nnx.split(blocks)
     num = jax.tree.leaves(state)[0].shape[0]
 
@@ -400,8 +401,12 @@ def run_blocks(
     if kv is None and layers is None:
         step = lambda x, s: layer(x, graphdef, s, None)  # noqa: E731
         if remat != "none":
-            # prevent_cse=False under scan (the loop already keeps the recompute apart)
-            step = jax.checkpoint(step, policy=remat_policy(remat), prevent_cse=not scan)
+            # Remat always scans: unrolled, XLA:CPU scheduled every block's recompute early and
+            # kept them all (compiled temp bytes of a 4-layer gradient: 9.23 MB remat vs 9.41 MB
+            # none unrolled; 3.11 MB vs 11.4 MB scanned). prevent_cse=False: the scan already
+            # keeps the recompute apart.
+            step = jax.checkpoint(step, policy=remat_policy(remat), prevent_cse=False)
+            scan = True
         if scan:
             return jax.lax.scan(step, x_BxTxD, state)
         for i in range(num):

@@ -192,7 +192,46 @@ def make_train_step(
 
     if not jit:  # to be composed inside another jitted function
         return train_step
-    return jax.jit(train_step, donate_argnums=(0,) if donate else ())
+    return jit_pinned(train_step, 1, donate_argnums=(0,) if donate else ())
+
+
+def _shardings(tree):
+    """(treedef, the leaves' shardings), or None when a leaf has none (a tracer, a host array)
+    or the leaves do not all live on one device set (jit then moves them, unpinned)."""
+    leaves, treedef = jax.tree.flatten(tree)
+    if not all(isinstance(x, jax.Array) and not isinstance(x, jax.core.Tracer) for x in leaves):
+        return None
+    shards = tuple(x.sharding for x in leaves)
+    if len({frozenset(s.device_set) for s in shards}) > 1:
+        return None
+    return treedef, shards
+
+
+def jit_pinned(fn: Callable, num_pinned: int, donate_argnums=()) -> Callable:
+    """`jax.jit(fn)` of a function returning `num_pinned + 1` values (the last: metrics) whose
+    first `num_pinned` outputs (e.g. the new train state) are laid out as
+    its first `num_pinned` arguments (`out_shardings`), so feeding the outputs back in -- and
+    anything made from them, e.g. the weights the samplers read -- never compiles a second
+    program: left to itself, GSPMD lays some outputs out differently from the inputs (norm
+    scales sharded on their only axis, specs spelled differently), and every later call then
+    misses the cache. One `jax.jit` per input layout; `_cache_size()` counts their programs."""
+    jitted: dict = {}
+
+    def call(*args):
+        pinned = [_shardings(a) for a in args[:num_pinned]]
+        key = tuple(pinned)
+        f = jitted.get(key)
+        if f is None:
+            if any(p is None for p in pinned):
+                out = None
+            else:
+                out = tuple(jax.tree.unflatten(td, sh) for td, sh in pinned) + (None,)
+            f = jitted[key] = jax.jit(fn, donate_argnums=donate_argnums, out_shardings=out)
+        return f(*args)
+
+    call._cache_size = lambda: sum(f._cache_size() for f in jitted.values())
+    call.jitted = jitted
+    return call
 
 
 def check_nonfinite(state: TrainState, max_in_row: int, last_good: str = "") -> None:

@@ -13,11 +13,8 @@ from configs.common import base
 def get_config(arg=None):
     a = parse_arg(arg, runlocal=False)
     c = base(
-        # bf16 compute (matmuls, activations, KV cache), float32 master weights and AdamW state;
-        # the learner recomputes each block in its backward and attends 512 queries at a time
-        # (float32 scores [rows, H, 512, S] at most): without them one row of 1,152 tokens kept
-        # ~4 GB of activations at Qwen3-8B width per 2 layers
-        model=dict(dtype="bfloat16", param_dtype="float32", remat="block", attention="chunked"),
+        # bf16 compute (matmuls, activations, KV cache), float32 master weights and AdamW state
+        model=dict(dtype="bfloat16", param_dtype="float32"),
         policy=dict(source="hf", path="/models/Qwen3-4B"),
         stages=("distill", "mtp", "rl"),
     )
@@ -34,13 +31,23 @@ def get_config(arg=None):
     #  - max_staleness 0 (was 1): one process drives the 8 GPUs, so with staleness the rollout
     #    worker's sampler (KV cache, decode copy) and the learner's step (activations) are
     #    alive at the same time (8B: ~94 GB); synchronous, they take turns;
-    #  - learner microbatch 64 rows (8 a GPU) with `logit_chunk` 128 positions of log-probs at
-    #    a time: the whole batch in one step kept [rows, S, V] float32 logits.
+    #  - the learner's microbatch from `memory_knobs`' budget (the whole batch in one step
+    #    compiled to ~4 GB of activations per row per 2 layers at 8B without the knobs).
     c.rl.update(steps=500, prompts_per_step=16, group_size=16, max_staleness=0)
-    c.rl.update(microbatch=64, logit_chunk=128)
+    memory_knobs(c, budget_gb=20.0)
     if a.runlocal:
         smoke(c)
     return c
+
+
+def memory_knobs(c, budget_gb: float):
+    """What lets the learner's step fit an accelerator at 1k-2k-token rows: each block
+    recomputed in the backward, attention 512 queries at a time (never [B, H, S, S] float32
+    scores), log-probs 256 positions at a time (never [B, S, V] float32 logits), and the rows per
+    accumulation chunk chosen so the estimated activations fit `budget_gb` per device (what the
+    device's memory leaves after params, AdamW state, weight store and KV caches)."""
+    c.model.update(remat="block", attention="chunked", attention_chunk=512)
+    c.rl.update(microbatch=-1, memory_budget_gb=budget_gb, logit_chunk=256)
 
 
 def smoke(c):
@@ -48,9 +55,6 @@ def smoke(c):
     with SmolLM2's tokenizer, built in-process once in WORKDIR/tiny_hf/qwen3 and loaded through
     the HF loader (bebop/checkpoints/tiny.py); every size cut."""
     c.policy.path = "tiny:qwen3"
-    # the memory knobs cost compile time and a tiny model needs none (the memory plan,
-    # benchmarks/memory.py, compiles the full run's programs with them)
-    c.model.update(remat="none", attention="xla")
     # bfloat16 compute kept, as in the full run: on 2 quiet CPU cores this run took 45 s of
     # wall time (65 s of CPU) vs 48 s (56 s of CPU) with model.dtype=float32
     # γ = 2 drafts, 2 trained MTP steps: the draft loops unroll, so compile time grows with γ
@@ -67,4 +71,3 @@ def smoke(c):
         log_every=1,
     )
     c.rl.update(steps=2, prompts_per_step=2, group_size=2, eval_samples=2, speedup_repeats=0)
-    c.rl.update(microbatch=0, logit_chunk=0)

@@ -13,9 +13,8 @@ from configs.common import base
 def get_config(arg=None):
     a = parse_arg(arg, runlocal=False)
     c = base(
-        # bf16 compute (matmuls, activations, KV cache), float32 master weights and AdamW state;
-        # per-block recompute and chunked attention in the learner (as configs/qwen3_gpu.py)
-        model=dict(dtype="bfloat16", param_dtype="float32", remat="block", attention="chunked"),
+        # bf16 compute (matmuls, activations, KV cache), float32 master weights and AdamW state
+        model=dict(dtype="bfloat16", param_dtype="float32"),
         policy=dict(source="hf", path="/models/Qwen3-8B"),
         stages=("distill", "mtp", "rl"),
     )
@@ -29,10 +28,10 @@ def get_config(arg=None):
     # for a v5p-128 slice (64 chips of 95 GB), every program <= 85 GB per chip:
     #  - 128 prompts x 16 = 2,048 rows per step (was 256 x 16): 32 rows a chip of 2,176 cache
     #    slots (~1 GB a row compiled) beside the 15 GB decode copy; 64 rows a chip did not fit;
-    #  - learner microbatch 256 rows (4 a chip: rows of 2,176 tokens) and 128-position log-prob
-    #    chunks. Processes take turns (`rl.loop.Turnstile`): rollouts and updates never overlap.
+    #  - the learner's microbatch from `memory_knobs`' budget. Processes take turns
+    #    (`rl.loop.Turnstile`): rollouts and updates never overlap, staleness stays 2.
     c.rl.update(steps=1000, prompts_per_step=128, group_size=16, max_staleness=2)
-    c.rl.update(microbatch=256, logit_chunk=128)
+    qwen3_gpu.memory_knobs(c, budget_gb=24.0)  # a v5p chip: 95 GB
     if a.runlocal:  # the smoke run of configs/qwen3_gpu.py, on this host's devices
         qwen3_gpu.smoke(c)
         c.distributed.auto = False

@@ -25,14 +25,17 @@ With `rl.mtp_loss = "dca"` under online / joint, rollouts record each cycle's le
 from __future__ import annotations
 
 import dataclasses
+import logging
 from collections.abc import Callable
 
 import jax
 
-from bebop.config import RunConfig
+from bebop.config import ModelConfig, RunConfig
 from bebop.mtp_losses import MTPBatch, mtp_loss
-from bebop.rl import grpo, loop
-from bebop.train import NonFiniteError, check_nonfinite, make_train_step, schedule
+from bebop.rl import grpo, loop, microbatch
+from bebop.train import NonFiniteError, check_nonfinite, jit_pinned, make_train_step, schedule
+
+log = logging.getLogger(__name__)
 
 
 def mtp_objective(cfg: RunConfig) -> tuple[str, int]:
@@ -98,34 +101,113 @@ class Learner:
         return {**m, "mtp_lr": self.mtp_lr(int(mtp_state.step) - 1)}
 
 
-def build(cfg: RunConfig, pol_gd, mtp_gd, scfg, vocab, opt, mtp_opt, store, ref_params=None):
-    """The learner's jitted steps. `scfg`: the rollout sampler's config (the learner's log-probs
-    use its support); `vocab`: the MTP's draft vocabulary."""
+def microbatch_rows(
+    cfg: RunConfig, model_cfg: ModelConfig, seq_len: int, batch_shards: int = 1
+) -> int:
+    """Rows per gradient-accumulation chunk of the policy update for rows of `seq_len` tokens:
+    `rl.microbatch` when > 0, the whole batch when 0, and for -1 (auto) the largest divisor of
+    the batch whose estimated activations (`microbatch.learner_row_bytes` of the policy
+    `model_cfg`) on one of the `batch_shards` devices the rows are split over fit
+    `rl.memory_budget_gb` (`microbatch.auto_microbatch`; a `ConfigError` if one row does not)."""
     rl = cfg.rl
+    rows = rl.prompts_per_step * rl.group_size
+    if rl.microbatch >= 0:
+        return rl.microbatch or rows
+    truncated = cfg.rollout.top_k > 0 or cfg.rollout.top_p < 1.0
+    row = microbatch.learner_row_bytes(
+        model_cfg, seq_len, rl.logit_chunk, kl=rl.kl_coef > 0, truncated=truncated
+    )
+    return microbatch.auto_microbatch(rows, row, rl.memory_budget_gb * 1e9, batch_shards)
+
+
+def _by_width(make: Callable, rows: int, pick: Callable, batch_arg: int) -> Callable:
+    """A step that, per row width of its batch (argument `batch_arg`), runs `make(chunks)` with
+    `rows // pick(width)` accumulation chunks (made once per chunk count)."""
+    steps: dict[int, Callable] = {}
+
+    def call(*args):
+        width = args[batch_arg].tokens.shape[1]
+        chunks = rows // pick(width)
+        if chunks not in steps:
+            log.info("rl: learner rows of %d tokens: %d accumulation chunk(s)", width, chunks)
+            steps[chunks] = make(chunks)
+        return steps[chunks](*args)
+
+    call._cache_size = lambda: sum(f._cache_size() for f in steps.values())
+    return call
+
+
+def build(
+    cfg: RunConfig,
+    pol_gd,
+    mtp_gd,
+    scfg,
+    vocab,
+    opt,
+    mtp_opt,
+    store,
+    ref_params=None,
+    model_cfg: ModelConfig | None = None,
+    batch_shards: int = 1,
+):
+    """The learner's jitted steps. `scfg`: the rollout sampler's config (the learner's log-probs
+    use its support); `vocab`: the MTP's draft vocabulary. `model_cfg` (the policy's
+    architecture, default `cfg.model`) and `batch_shards` (devices the batch rows are split
+    over) size the microbatch under `rl.microbatch=-1` (`microbatch_rows`)."""
+    rl = cfg.rl
+    model_cfg = model_cfg or cfg.model
 
     def grpo_loss(p, b, _, ref):
         return grpo.policy_loss(
-            pol_gd, p, b, rl.clip_low, rl.clip_high, rl.kl_coef, rl.loss_agg, scfg, ref
+            pol_gd,
+            p,
+            b,
+            rl.clip_low,
+            rl.clip_high,
+            rl.kl_coef,
+            rl.loss_agg,
+            scfg,
+            ref,
+            logit_chunk=rl.logit_chunk,
         )
 
     loss_name, train_steps = mtp_objective(cfg)
     temp = max(cfg.rollout.temperature, 1e-3)
     mtp_fn = mtp_loss(pol_gd, mtp_gd, loss_name, train_steps, cfg.mtp.chunk, temp, vocab)
     rows = rl.prompts_per_step * rl.group_size
-    chunks = rows // rl.microbatch if rl.microbatch else 1
-    pol_kw = dict(microbatches=chunks, chunk_weight=grpo.chunk_weight(rl.loss_agg))
-    inner_pol = make_train_step(grpo_loss, opt, donate=False, jit=False, **pol_kw)
     inner_mtp = make_train_step(mtp_fn, mtp_opt, donate=False, jit=False)
 
-    def joint(ps, ms, batch, ref):
-        ms, mm = inner_mtp(ms, mtp_batch(batch, hidden=False), ps.params)  # pre-update hiddens
-        ps, pm = inner_pol(ps, batch, ref)
-        return ps, ms, {**pm, **{f"mtp_{k}": v for k, v in mm.items()}}
+    def pol_kw(chunks):
+        return dict(microbatches=chunks, chunk_weight=grpo.chunk_weight(rl.loss_agg))
+
+    def make_policy_step(chunks):
+        return make_train_step(grpo_loss, opt, **pol_kw(chunks))
+
+    def make_joint_step(chunks):
+        inner_pol = make_train_step(grpo_loss, opt, donate=False, jit=False, **pol_kw(chunks))
+
+        def joint(ps, ms, batch, ref):
+            ms, mm = inner_mtp(ms, mtp_batch(batch, hidden=False), ps.params)  # pre-update
+            ps, pm = inner_pol(ps, batch, ref)
+            return ps, ms, {**pm, **{f"mtp_{k}": v for k, v in mm.items()}}
+
+        return jit_pinned(joint, 2, donate_argnums=(0, 1))
+
+    if rl.microbatch >= 0:
+        chunks = rows // rl.microbatch if rl.microbatch else 1
+        policy_step, joint_step = make_policy_step(chunks), make_joint_step(chunks)
+    else:
+
+        def pick(width):
+            return microbatch_rows(cfg, model_cfg, width, batch_shards)
+
+        policy_step = _by_width(make_policy_step, rows, pick, 1)
+        joint_step = _by_width(make_joint_step, rows, pick, 2)
 
     return Learner(
-        policy_step=make_train_step(grpo_loss, opt, **pol_kw),
+        policy_step=policy_step,
         mtp_step=make_train_step(mtp_fn, mtp_opt),
-        joint_step=jax.jit(joint, donate_argnums=(0, 1)),
+        joint_step=joint_step,
         store=store,
         mtp_every=rl.mtp_every,
         mtp_lr=schedule(rl.mtp_optim, rl.steps),

@@ -45,6 +45,7 @@ import numpy as np
 from flax import struct
 
 from bebop import sharding
+from bebop.train import jit_pinned
 
 
 class StalenessError(RuntimeError):
@@ -95,6 +96,30 @@ class WorkerFailed:
 def snapshot(tree):
     """A copy whose buffers survive the learner donating its own."""
     return jax.tree.map(jnp.copy, tree)
+
+
+_CASTS: dict = {}
+
+
+def behaviour_copy(params, dtype: str):
+    """The copy of the policy's parameters the weight store keeps for a behaviour version: every
+    floating leaf in the decode (compute) dtype `dtype` (`ModelConfig.dtype`), laid out as
+    `params`. The samplers round every weight to that dtype anyway (`model.compute_weight`), so
+    rollouts sample exactly what they would from the float32 master; the store then holds one
+    bfloat16 copy per version instead of a float32 one. A float32 run keeps a plain copy."""
+    dt = jnp.dtype(dtype)
+    if all(
+        x.dtype == dt or not jnp.issubdtype(x.dtype, jnp.floating) for x in jax.tree.leaves(params)
+    ):
+        return snapshot(params)
+    if dt not in _CASTS:
+
+        def cast(tree):
+            one = lambda x: x.astype(dt) if jnp.issubdtype(x.dtype, jnp.floating) else x  # noqa: E731
+            return jax.tree.map(one, tree), None
+
+        _CASTS[dt] = jit_pinned(cast, 1)
+    return _CASTS[dt](params)[0]
 
 
 class WeightStore:

@@ -133,11 +133,14 @@ def run(
         return f"The last good RL checkpoint ({where}) is in {ckpt.directory}; rerun to resume."
 
     drafts_path = rdir / "draft_tokens.bin"
+    # Behaviour versions in the decode dtype (`loop.behaviour_copy`): one float32 master (the
+    # train state's) plus bfloat16 copies on a bfloat16 run.
     store = loop.WeightStore(keep=rl.max_staleness + 2)
+    keep_copy = lambda params: loop.behaviour_copy(params, policy.cfg.dtype)  # noqa: E731
     history, evals = [], [(0, acc_before)]  # (step, greedy accuracy); also on resume
     timer, wall_before = Timer(), 0.0  # time split and RL wall time of earlier launches
     first_version = 0  # batch i comes from version max(first_version, i - max_staleness)
-    restored = restore(ckpt, pol_state, mtp_state, rl.max_staleness)
+    restored = restore(ckpt, pol_state, mtp_state, rl.max_staleness, policy.cfg.dtype)
     if restored is not None:
         step, st, meta = restored
         pol_state, mtp_state, versions = st["policy"], st["mtp"], meta["versions"]
@@ -151,7 +154,7 @@ def run(
         if "behaviour" in st:  # the versions the next batches come from, as uninterrupted
             for slot, (v, mv) in enumerate(meta["behaviour"]):
                 w = st["behaviour"][f"v{slot}"]
-                store.publish(v, w["policy"], w["mtp"], mv)
+                store.publish(v, keep_copy(w["policy"]), w["mtp"], mv)
         else:  # a checkpoint of an older bebop: the first batches after it are fresher
             first_version = step
             log.warning("rl: %s holds no behaviour weights; resuming on-policy", ckpt.directory)
@@ -166,12 +169,24 @@ def run(
 
     store.publish(
         versions["policy"],
-        loop.snapshot(pol_state.params),
+        keep_copy(pol_state.params),
         loop.snapshot(mtp_state.params),
         versions["mtp"],
     )
     scfg = rollout.sampling_config(cfg, tok)  # the learner's log-probs use the sampler's support
-    learn = learner.build(cfg, pol_gd, mtp_gd, scfg, vocab, opt, mtp_opt, store, ref_params)
+    learn = learner.build(
+        cfg,
+        pol_gd,
+        mtp_gd,
+        scfg,
+        vocab,
+        opt,
+        mtp_opt,
+        store,
+        ref_params,
+        model_cfg=policy.cfg,
+        batch_shards=batch_shards(mesh),
+    )
     strategy = learner.MTP_STRATEGIES[rl.mtp_strategy]
     lr_fn = schedule(rl.optim, rl.steps)
     record, keep_hidden = learner.rollout_records(cfg)
@@ -217,7 +232,7 @@ def run(
             with split("sync_s"):
                 store.publish(
                     versions["policy"],
-                    loop.snapshot(pol_state.params),
+                    keep_copy(pol_state.params),
                     loop.snapshot(mtp_state.params),
                     versions["mtp"],
                 )
@@ -287,6 +302,11 @@ def run(
     return summary
 
 
+def batch_shards(mesh) -> int:
+    """The devices a learner batch's rows are split over (the mesh axes of the "batch" rule)."""
+    return int(np.prod([mesh.shape[a] for a in sharding.RULES["batch"] or () if a in mesh.shape]))
+
+
 # What each step keeps for the summary (also checkpointed, so a resumed run's summary covers
 # every step).
 SUMMARY_KEYS = (
@@ -318,18 +338,30 @@ def checkpoint_state(pol_state, mtp_state, store, next_step: int, rl) -> tuple[d
     return state, {"behaviour": behaviour}
 
 
-def restore(ckpt: Checkpointer, pol_state, mtp_state, max_staleness: int):
-    """The newest checkpoint with its behaviour weights; one without them (written before they
-    were saved, or with max_staleness 0) restores the train states only."""
+def restore(ckpt: Checkpointer, pol_state, mtp_state, max_staleness: int, dtype: str = "float32"):
+    """The newest checkpoint with its behaviour weights (the policy's read in the decode dtype
+    `dtype`, as the weight store keeps them); one without them (written before they were saved,
+    or with max_staleness 0) restores the train states only."""
     target = {"policy": pol_state, "mtp": mtp_state}
     if max_staleness:
-        slot = {"policy": pol_state.params, "mtp": mtp_state.params}
+        slot = {"policy": _as_dtype(pol_state.params, dtype), "mtp": mtp_state.params}
         full = {**target, "behaviour": {f"v{j}": slot for j in range(max_staleness)}}
         try:
             return ckpt.restore_latest(full)
         except CheckpointRestoreError:
             pass
     return ckpt.restore_latest(target)
+
+
+def _as_dtype(params, dtype: str):
+    """ShapeDtypeStructs of `params` (same shardings), floating leaves in `dtype`."""
+    dt = jax.numpy.dtype(dtype)
+
+    def one(x):
+        kind = dt if jax.numpy.issubdtype(x.dtype, jax.numpy.floating) else x.dtype
+        return jax.ShapeDtypeStruct(x.shape, kind, sharding=x.sharding)
+
+    return jax.tree.map(one, params)
 
 
 def summarize(history, rl, acc_before, acc_after, rl_wall, timings, speed) -> dict:
