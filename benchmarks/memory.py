@@ -171,7 +171,7 @@ def scaled_config(cfg, scale: float):
     rl = dataclasses.replace(
         rl,
         prompts_per_step=s(rl.prompts_per_step, "rl.prompts_per_step"),
-        microbatch=s(rl.microbatch, "rl.microbatch") if rl.microbatch else 0,
+        microbatch=s(rl.microbatch, "rl.microbatch") if rl.microbatch > 0 else rl.microbatch,
         eval_samples=max(1, int(rl.eval_samples * scale)),
     )
     distill = dataclasses.replace(
