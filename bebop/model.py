@@ -50,6 +50,15 @@ from bebop.kvcache import KVCache
 DTYPES = {"float32": jnp.float32, "bfloat16": jnp.bfloat16}
 
 
+# Logical axes of the activations the model pins (`sharding.constrain`): the batch over the data
+# axes, the model width whole; q/k/v heads and the MLP's hidden over `tensor`.
+X_AXES = ("batch", "act_seq", "act_embed")
+Q_AXES = ("batch", "act_seq", "act_heads", "head_dim")  # [B, T, H, Dh]
+KV_AXES = ("batch", "act_kv_heads", "act_seq", "head_dim")  # [B, K, T|S, Dh]
+MLP_AXES = ("batch", "act_seq", "act_mlp")
+LOGITS_AXES = ("batch", "act_seq", "act_vocab")
+
+
 def compute_weight(var, dtype) -> jax.Array:
     """A weight as the forward uses it: rounded to the compute dtype (a no-op when it is already
     in it, e.g. a `decode_layers` copy). Gradients flow back to the parameter's own dtype."""
@@ -236,9 +245,10 @@ class Attention(nnx.Module):
             if q is not None:
                 q = self.q_norm(q)
         if q is not None:
-            q = rope(q, positions_BxT, cfg.rope_theta)
+            q = sharding.constrain(rope(q, positions_BxT, cfg.rope_theta), Q_AXES)
         k_BxKxTxDh = rope(k, positions_BxT, cfg.rope_theta).transpose(0, 2, 1, 3)
-        return q, k_BxKxTxDh, v.transpose(0, 2, 1, 3)
+        k_BxKxTxDh = sharding.constrain(k_BxKxTxDh, KV_AXES)
+        return q, k_BxKxTxDh, sharding.constrain(v.transpose(0, 2, 1, 3), KV_AXES)
 
     def write_kv(self, x_BxTxD, positions_BxT, kv, offsets_B):
         """Only the cache update of `__call__` with `kv`: the T new keys and values written at
@@ -296,7 +306,8 @@ class MLP(nnx.Module):
         else:
             gate_BxTxF = x_BxTxD @ compute_weight(self.w_gate, cdt)
             up_BxTxF = x_BxTxD @ compute_weight(self.w_up, cdt)
-        return (jax.nn.silu(gate_BxTxF) * up_BxTxF) @ compute_weight(self.w_down, cdt)
+        hidden_BxTxF = sharding.constrain(jax.nn.silu(gate_BxTxF) * up_BxTxF, MLP_AXES)
+        return hidden_BxTxF @ compute_weight(self.w_down, cdt)
 
     def fuse(self):
         """In place: the decode layout, gate and up as one `[D, 2F]` matrix (see
@@ -317,13 +328,16 @@ class Block(nnx.Module):
 
     def __call__(self, x_BxTxD, positions_BxT, kv=None, offsets_B=None, valid_BxS=None, at_B=None):
         """With `at_B`: every position's key and value are computed (and written to `kv`), but
-        only position `at_B[b]` of row b goes on through attention and the MLP (out `[B, 1, D]`)."""
+        only position `at_B[b]` of row b goes on through attention and the MLP (out `[B, 1, D]`).
+        Input and output pinned batch-split, model width whole (`sharding.constrain`)."""
+        x_BxTxD = sharding.constrain(x_BxTxD, X_AXES)
         xn_BxTxD = self.attn_norm(x_BxTxD)
         h, new_kv = self.attn(xn_BxTxD, positions_BxT, kv, offsets_B, valid_BxS, at_B)
         if at_B is not None:
             x_BxTxD = take_at(x_BxTxD, at_B)
         x_BxTxD = x_BxTxD + h
-        return x_BxTxD + self.mlp(self.mlp_norm(x_BxTxD)), new_kv
+        out_BxTxD = x_BxTxD + self.mlp(self.mlp_norm(x_BxTxD))
+        return sharding.constrain(out_BxTxD, X_AXES), new_kv
 
     def write_kv(self, x_BxTxD, positions_BxT, kv, offsets_B):
         """The block's cache update alone (its keys and values depend only on its input)."""
@@ -453,8 +467,10 @@ class Policy(nnx.Module):
         """Output projection only (no norm), float32; shared with the MTP layer."""
         x32 = x_BxTxD.astype(jnp.float32)
         if self.cfg.tie_embeddings:
-            return jnp.einsum("btd,vd->btv", x32, self._head_weight())
-        return jnp.einsum("btd,dv->btv", x32, self._head_weight())
+            logits = jnp.einsum("btd,vd->btv", x32, self._head_weight())
+        else:
+            logits = jnp.einsum("btd,dv->btv", x32, self._head_weight())
+        return sharding.constrain(logits, LOGITS_AXES)
 
     def head_compute(self, x_BxTxD) -> jax.Array:
         """`head` with the operands in the compute dtype and float32 accumulation (as the decode
@@ -471,7 +487,8 @@ class Policy(nnx.Module):
         # The normed hidden and the head are in the compute dtype: products are exact in float32
         # and accumulate in float32, as in `head`.
         x_BxTxD = self.final_norm(hidden_BxTxD)
-        return jnp.matmul(x_BxTxD, layers.head_DxV, preferred_element_type=jnp.float32)
+        logits = jnp.matmul(x_BxTxD, layers.head_DxV, preferred_element_type=jnp.float32)
+        return sharding.constrain(logits, LOGITS_AXES)
 
     def embed_tokens(self, tokens_BxT) -> jax.Array:
         """Token embeddings in the compute dtype (only the gathered rows are cast)."""
@@ -487,7 +504,7 @@ class Policy(nnx.Module):
     def hidden(self, tokens_BxT, positions_BxT, cache: KVCache | None = None, layers=None):
         """Last-layer hidden states (before the final norm) and the updated cache; no head.
         `layers`: `DecodeWeights` from `decode_layers` (inside a decode loop)."""
-        x_BxTxD = self.embed_tokens(tokens_BxT)
+        x_BxTxD = sharding.constrain(self.embed_tokens(tokens_BxT), X_AXES)
         kv = None if cache is None else (cache.k, cache.v)
         offsets_B = None if cache is None else cache.lengths
         hidden_BxTxD, new_kv = run_blocks(
@@ -531,17 +548,17 @@ def decode_layers(graphdef, params) -> DecodeWeights:
     weight; make it once per parameter version, e.g. with `decode_layers_jit`, and pass it as
     `layers=` to calls in a loop: the samplers make it per call from the parameters the learner
     published, so it follows every version)."""
-    policy = nnx.merge(graphdef, params)
-    cdt = DTYPES[policy.cfg.dtype]
+    cfg = graphdef_config(graphdef, params)
+    # cast where each weight is stored (split over the mesh), then gathered in the compute dtype
+    policy = nnx.merge(graphdef, sharding.keep_stored_layout(to_compute(params, cfg)))
     head = policy.embed if policy.cfg.tie_embeddings else policy.lm_head
-    head_DxV = compute_weight(head, cdt)
+    head_DxV = head[...]
     head_DxV = head_DxV.T if policy.cfg.tie_embeddings else head_DxV
     block_gd = nnx.split(policy.layers)[0]
-    fused = [
-        nnx.split(fuse_block(nnx.merge(block_gd, s)))
-        for s in to_compute(unstack(policy.layers), policy.cfg)
-    ]
-    return DecodeWeights([state for _, state in fused], head_DxV, fused[0][0])
+    fused = [nnx.split(fuse_block(nnx.merge(block_gd, s))) for s in unstack(policy.layers)]
+    # replicated over the mesh: data-parallel decoding, no per-step gather (`sharding`)
+    layer_states, head_DxV = sharding.decode_replicated(([s for _, s in fused], head_DxV))
+    return DecodeWeights(layer_states, head_DxV, fused[0][0])
 
 
 decode_layers_jit = jax.jit(decode_layers, static_argnums=0)
@@ -558,9 +575,16 @@ def extend(graphdef, params, cache: KVCache, tokens_BxT, num_new_B=None, layers=
 
 
 def new_cache(cfg: ModelConfig, batch: int, max_len: int) -> KVCache:
-    """A per-layer cache (a tuple of `[B, K, S, Dh]` arrays per side)."""
-    return KVCache.init_per_layer(
+    """A per-layer cache (a tuple of `[B, K, S, Dh]` arrays per side), split over the batch
+    (`sharding.constrain`: never a replicated cache)."""
+    cache = KVCache.init_per_layer(
         cfg.num_layers, batch, cfg.num_kv_heads, max_len, cfg.head_dim, DTYPES[cfg.dtype]
+    )
+    pin = lambda a: sharding.constrain(a, KV_AXES)  # noqa: E731
+    return cache.replace(
+        k=tuple(map(pin, cache.k)),
+        v=tuple(map(pin, cache.v)),
+        lengths=sharding.constrain(cache.lengths, ("batch",)),
     )
 
 

@@ -33,7 +33,7 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
-from bebop import io, model
+from bebop import io, model, sharding
 from bebop.config import ModelConfig
 from bebop.kvcache import KVCache
 from bebop.model import DTYPES, Block, RMSNorm, compute_weight
@@ -106,7 +106,9 @@ def for_decode(mtp: MTP) -> DecodeMTP:
         graphdef, state = nnx.split(mtp.layer(i))
         layer = nnx.merge(graphdef, model.to_compute(state, mtp.cfg))
         model.fuse_block(layer.block)
-        layers.append(layer)
+        # replicated over the mesh, as the policy's decode copy (data-parallel drafting)
+        layer_gd, layer_state = nnx.split(layer)
+        layers.append(nnx.merge(layer_gd, sharding.decode_replicated(layer_state)))
     return DecodeMTP(tuple(layers))
 
 
@@ -149,10 +151,13 @@ def init_from_last_layer(mtp_params, pol_params):
 
 
 def new_cache(cfg: ModelConfig, num_layers: int, batch: int, max_len: int) -> KVCache:
-    """A per-layer cache (a tuple of `[B, Kv, S, Dh]` arrays per side, one per MTP layer)."""
-    return KVCache.init_per_layer(
+    """A per-layer cache (a tuple of `[B, Kv, S, Dh]` arrays per side, one per MTP layer),
+    split over the batch (`sharding.constrain`)."""
+    cache = KVCache.init_per_layer(
         num_layers, batch, cfg.num_kv_heads, max_len, cfg.head_dim, DTYPES[cfg.dtype]
     )
+    pin = lambda a: sharding.constrain(a, model.KV_AXES)  # noqa: E731
+    return cache.replace(k=tuple(map(pin, cache.k)), v=tuple(map(pin, cache.v)))
 
 
 def train_hidden(mtp_gd, mtp_params, pol_gd, pol_params, tokens_BxT, hidden_BxTxD, num_steps):

@@ -42,6 +42,7 @@ import jax.numpy as jnp
 from flax import nnx, struct
 
 from bebop import mtp as mtp_lib
+from bebop import sharding
 
 NEG = -1e30
 
@@ -153,12 +154,27 @@ def _prepare(draft_YxBxTxD, target_BxTxD, tokens_BxT, mask_BxT, target_lse_BxT=N
         if target_lse_BxT is not None:
             lse.append(jnp.pad(target_lse_BxT[:, k:], ((0, 0), (0, k))))
     return (
-        draft_YxBxTxD.astype(jnp.float32).reshape(y * b * t, d),
-        jnp.stack(tgt).reshape(y * b * t, d),
-        jnp.stack(labels).reshape(y * b * t),
+        _flat(draft_YxBxTxD.astype(jnp.float32)),
+        _flat(jnp.stack(tgt)),
+        _flat(jnp.stack(labels)),
         jnp.stack(valid),  # [Y, B, T]
-        jax.lax.stop_gradient(jnp.stack(lse).reshape(y * b * t)) if lse else None,
+        jax.lax.stop_gradient(_flat(jnp.stack(lse))) if lse else None,
     )
+
+
+def _flat(x_YxBxT):
+    """`[Y, B, T, ...]` flattened to `[B * Y * T, ...]` row-major in B: the rows of a batch split
+    over devices stay split (a Y-major flattening interleaves every device's rows, and GSPMD
+    gathered the whole batch on each device: the MTP step was not data-parallel)."""
+    y, b, t = x_YxBxT.shape[:3]
+    flat = x_YxBxT.swapaxes(0, 1).reshape(b * y * t, *x_YxBxT.shape[3:])
+    return sharding.constrain(flat, ("batch",) + (None,) * (flat.ndim - 1))
+
+
+def _unflat(x_N, valid_YxBxT):
+    """Per-position values in `_flat`'s order back to `[Y, B, T]`."""
+    y, b, t = valid_YxBxT.shape
+    return x_N.reshape(b, y, t).swapaxes(0, 1)
 
 
 def _target_lse(hp_NxD, lse_p_N, w_chunks, valid, temperature):
@@ -176,7 +192,7 @@ def _alphas(inputs, head, chunk, temperature):
     hq, hp, _, valid, lse_p = inputs
     head = jax.lax.stop_gradient(head)
     lse_p = _target_lse(hp, lse_p, *_chunks(head, chunk), temperature)
-    return overlap(hq, hp, head, lse_p, chunk, temperature).reshape(valid.shape), valid
+    return _unflat(overlap(hq, hp, head, lse_p, chunk, temperature), valid), valid
 
 
 def _per_step_metrics(a_YxBxT, valid):
@@ -199,7 +215,7 @@ def ce_loss(
     w_chunks, v = _chunks(jax.lax.stop_gradient(head), chunk)
     lse = _lse(hq, w_chunks, v, temperature)
     z_label = jnp.einsum("nd,dn->n", hq, jax.lax.stop_gradient(head)[:, labels]) / temperature
-    nll = (lse - z_label).reshape(valid.shape)
+    nll = _unflat(lse - z_label, valid)
     return _masked_mean(nll, valid), {}
 
 
@@ -222,7 +238,7 @@ def _kl_terms(draft, target, head, tokens, mask, chunk, temperature, target_lse)
     log_mass = jnp.log(jnp.maximum(jax.lax.stop_gradient(mass), 1e-30))
     kl_pq = kpq + mass * (lse_q - lse_p - log_mass)  # Σ p (zp − zq) + P (lse_q − lse_p − log P)
     kl_qp = kqp + lse_p - lse_q + log_mass
-    return kl_pq.reshape(valid.shape), kl_qp.reshape(valid.shape), a.reshape(valid.shape), valid
+    return _unflat(kl_pq, valid), _unflat(kl_qp, valid), _unflat(a, valid), valid
 
 
 def kl_loss(

@@ -3,10 +3,28 @@
 Every weight declares logical axes (`nnx.Param(..., axes=("embed", "mlp"))`); one table maps them to
 the mesh axes `data`, `fsdp`, `tensor`. A dimension that the mapped mesh axes do not divide is
 replicated instead (e.g. 3 kv heads on a tensor axis of 2): correctness never depends on the table.
+
+Parallelism (data / FSDP / tensor). Weights are stored split over `fsdp` (their model width) and
+`tensor` (heads, feed-forward, vocabulary), replicated over `data`. Activations are split over the
+batch on (`data`, `fsdp`) and over heads / feed-forward / vocabulary on `tensor`; their model
+width is never split. The model pins that layout with `constrain` at each block's input and output
+and on q/k/v, the MLP's hidden, the logits and the KV cache (`ACTIVATION_RULES`): without the pins
+GSPMD followed the weights' layout, split activations along the model width and all-reduced every
+matmul output, with each device holding the whole batch. With them, each layer's weights are
+all-gathered (per layer: the scanned training forward gathers inside its loop), the gradients are
+reduce-scattered back to the weights' layout, and no activation-sized tensor is all-reduced
+(`tests/test_fsdp.py` reads the compiled HLO). Decoding is data-parallel: the decode copy of the
+weights (`model.decode_layers`) is replicated over `data` and `fsdp` (`decode_replicated`), each
+device runs its rows of the rollout batch, and the KV cache is split over the batch.
+
+The pins need the mesh at trace time: `activation_mesh(mesh)` makes it the mesh they use, for
+every thread (the RL rollout worker traces its samplers in its own thread); the pipeline holds it
+around the stages. Without one (or on one device) `constrain` is a no-op.
 """
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import logging
 import math
@@ -35,6 +53,88 @@ RULES: Mapping[str, tuple[str, ...] | None] = {
     "norm": None,
     "seq": None,
 }
+
+
+# Activations' logical axes -> mesh axes (`constrain`). The batch takes `data` and `fsdp`; the
+# model width ("act_embed") and the sequence are never split; heads / kv heads / feed-forward /
+# vocabulary go over `tensor` as their weights do.
+ACTIVATION_RULES: Mapping[str, tuple[str, ...] | None] = {
+    "batch": ("data", "fsdp"),
+    "act_embed": None,
+    "act_seq": None,
+    "act_heads": ("tensor",),
+    "act_kv_heads": ("tensor",),
+    "act_mlp": ("tensor",),
+    "act_vocab": ("tensor",),
+    "head_dim": None,
+}
+
+_ACTIVATION_MESH: list = [None]  # the mesh `constrain` pins activations on (process-wide)
+
+
+@contextlib.contextmanager
+def activation_mesh(mesh: Mesh | None):
+    """Within this block (in every thread) `constrain` pins activations on `mesh`; None or one
+    device: no pins. Programs traced inside keep the pins in their compiled form."""
+    prev = _ACTIVATION_MESH[0]
+    _ACTIVATION_MESH[0] = mesh if spreads(mesh) else None
+    try:
+        yield
+    finally:
+        _ACTIVATION_MESH[0] = prev
+
+
+def current_activation_mesh() -> Mesh | None:
+    return _ACTIVATION_MESH[0]
+
+
+def constrain(x, axes: tuple[str | None, ...]):
+    """`x` pinned to the layout of its logical activation `axes` (`ACTIVATION_RULES`) on the
+    activation mesh (`activation_mesh`); unchanged without one. A dimension the mesh axes do not
+    divide stays whole (`spec_for`)."""
+    mesh = _ACTIVATION_MESH[0]
+    if mesh is None or x is None:
+        return x
+    spec = spec_for(tuple(axes), tuple(x.shape), mesh, ACTIVATION_RULES)
+    return jax.lax.with_sharding_constraint(x, NamedSharding(mesh, spec))
+
+
+def keep_stored_layout(state, rules=RULES):
+    """An nnx.State's values pinned to their stored layout (their logical `axes`), e.g. right
+    after a cast: a decode copy is cast where the weights lie, and only the compute-dtype
+    copy is gathered (half the bytes of gathering float32 masters, and no float32 copy of every
+    layer alive). Unchanged without an activation mesh."""
+    mesh = _ACTIVATION_MESH[0]
+    if mesh is None:
+        return state
+
+    def one(v):
+        axes = getattr(v, "axes", None)
+        if axes is None:
+            return v
+        x = v.get_value()
+        spec = spec_for(tuple(axes), tuple(x.shape), mesh, rules)
+        return v.replace(value=jax.lax.with_sharding_constraint(x, NamedSharding(mesh, spec)))
+
+    return jax.tree.map(one, state, is_leaf=is_var)
+
+
+def batch_shards() -> int:
+    """Devices a batch is split over on the activation mesh (1 without one)."""
+    mesh = _ACTIVATION_MESH[0]
+    if mesh is None:
+        return 1
+    return math.prod(mesh.shape[a] for a in ACTIVATION_RULES["batch"])
+
+
+def decode_replicated(tree):
+    """A decode copy of the weights pinned replicated over the mesh (`activation_mesh`): every
+    device decodes its own rows with whole weights, no per-step gather. Unchanged without one."""
+    mesh = _ACTIVATION_MESH[0]
+    if mesh is None:
+        return tree
+    rep = NamedSharding(mesh, PartitionSpec())
+    return jax.tree.map(lambda a: jax.lax.with_sharding_constraint(a, rep), tree)
 
 
 def mesh_shape(cfg: MeshConfig, num_devices: int) -> tuple[int, int, int]:
@@ -123,6 +223,32 @@ def abstract_on_mesh(abstract_state, mesh: Mesh, rules=RULES):
         return v.replace(value=jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=s))
 
     return jax.tree.map(one, abstract_state, shardings, is_leaf=is_var)
+
+
+def abstract_like_params(tree, params, mesh: Mesh):
+    """ShapeDtypeStructs of `tree` (e.g. `jax.eval_shape` of a `TrainState` over `params`)
+    laid out as eagerly built state is: a leaf whose path ends with a parameter's path and
+    has its shape (the optimizer's moments) takes that parameter's sharding, every other leaf
+    (step counters, keys) is replicated. `params`: ShapeDtypeStructs carrying shardings
+    (`abstract_on_mesh`)."""
+    by_path = {}
+    for path, leaf in jax.tree_util.tree_flatten_with_path(params)[0]:
+        by_path[_path_keys(path)] = leaf
+    rep = replicated(mesh)
+
+    def one(path, x):
+        keys = _path_keys(path)
+        for i in range(len(keys)):
+            hit = by_path.get(keys[i:])
+            if hit is not None and hit.shape == x.shape:
+                return jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=hit.sharding)
+        return jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=rep)
+
+    return jax.tree_util.tree_map_with_path(one, tree)
+
+
+def _path_keys(path) -> tuple:
+    return tuple(str(getattr(k, "key", getattr(k, "name", getattr(k, "idx", k)))) for k in path)
 
 
 def batch_sharding(mesh: Mesh, ndim: int, batch_size: int) -> NamedSharding:

@@ -24,6 +24,7 @@ import numpy as np
 import optax
 from flax import struct
 
+from bebop import sharding
 from bebop.config import OptimConfig
 
 
@@ -78,14 +79,26 @@ def _select(ok, new, old):
     return jax.tree.map(lambda n, o: jnp.where(ok, n, o), new, old)
 
 
-def split_rows(batch, num_chunks: int):
+def split_rows(batch, num_chunks: int, shards: int | None = None):
     """Every array leaf of `batch` [B, ...] as [num_chunks, B / num_chunks, ...] (None leaves
-    stay None)."""
+    stay None). `shards` (default: the activation mesh's batch shards, `sharding.batch_shards`)
+    > 1 and dividing a chunk: chunk c takes rows c*m .. c*m+m-1 of each of the `shards` equal
+    blocks of the batch (m = B / num_chunks / shards), i.e. the rows each device already holds,
+    so every chunk stays split over the devices (contiguous chunks would each sit on one or two
+    devices, and GSPMD ran each chunk whole on every device). Any split sums to the same
+    gradient."""
+    shards = sharding.batch_shards() if shards is None else shards
 
     def split(x):
-        if x.shape[0] % num_chunks:
-            raise ValueError(f"batch of {x.shape[0]} rows does not split into {num_chunks} chunks")
-        return x.reshape(num_chunks, x.shape[0] // num_chunks, *x.shape[1:])
+        b = x.shape[0]
+        if b % num_chunks:
+            raise ValueError(f"batch of {b} rows does not split into {num_chunks} chunks")
+        rows = b // num_chunks
+        if shards <= 1 or rows % shards:
+            return x.reshape(num_chunks, rows, *x.shape[1:])
+        blocks = x.reshape(shards, num_chunks, rows // shards, *x.shape[1:]).swapaxes(0, 1)
+        chunks = blocks.reshape(num_chunks, rows, *x.shape[1:])
+        return sharding.constrain(chunks, (None, "batch") + (None,) * (x.ndim - 1))
 
     return jax.tree.map(split, batch)
 

@@ -23,7 +23,17 @@ def get_config(arg=None):
     c.rollout.update(max_new_tokens=1024, num_draft=3)
     c.distill.update(num_samples=8192, batch_size=256)
     c.mtp.update(steps=2000, batch_size=64, chunk=16384)
-    c.rl.update(steps=500, prompts_per_step=64, group_size=16, max_staleness=1)
+    # Sized by `python benchmarks/memory.py --config configs/qwen3_gpu.py --arch qwen3-8b`
+    # (docs/distributed.md has the table) for 8 x 80 GB, every program <= 72 GB per GPU:
+    #  - 16 prompts x 16 = 256 rows per step (was 64 x 16): a sampler's KV cache of 1,152 slots
+    #    costs ~0.5 GB per row per GPU at 8B (compiled), beside a 15 GB decode copy on each GPU;
+    #    1,024 rows (128 a GPU) compiled to a 77 GB rollout before any resident state;
+    #  - max_staleness 0 (was 1): one process drives the 8 GPUs, so with staleness the rollout
+    #    worker's sampler (KV cache, decode copy) and the learner's step (activations) are
+    #    alive at the same time (8B: ~94 GB); synchronous, they take turns;
+    #  - the learner's microbatch from `memory_knobs`' budget (the whole batch in one step
+    #    compiled to ~4 GB of activations per row per 2 layers at 8B without the knobs).
+    c.rl.update(steps=500, prompts_per_step=16, group_size=16, max_staleness=0)
     memory_knobs(c, budget_gb=20.0)
     if a.runlocal:
         smoke(c)

@@ -85,6 +85,24 @@ def config_from_hf(
     )
 
 
+# Architectures known without a checkpoint (`arch/NAME.json`: the fields of the model's published
+# `config.json`), for memory plans and compile checks at real shapes (`benchmarks/memory.py`).
+ARCH_DIR = Path(__file__).resolve().parent / "arch"
+
+
+def known_architectures() -> list[str]:
+    return sorted(p.stem for p in ARCH_DIR.glob("*.json"))
+
+
+def known_architecture(name: str, **kw) -> ModelConfig:
+    """The `ModelConfig` of a shipped architecture (`arch/NAME.json`, read as a checkpoint's
+    config.json is: `config_from_hf`); `kw`: dtype, param_dtype, scan_layers."""
+    path = ARCH_DIR / f"{name}.json"
+    if not path.is_file():
+        raise CheckpointError(f"unknown architecture {name!r}; known: {known_architectures()}")
+    return config_from_hf(json.loads(path.read_text()), str(path), **kw)
+
+
 def config_to_hf(cfg: ModelConfig, model_type: str) -> dict:
     return {
         "architectures": [ARCHITECTURES[model_type]],

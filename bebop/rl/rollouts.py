@@ -43,7 +43,7 @@ DRAFT_PROBE_EVERY = 16
 
 def reward_scorer(rl: RLConfig):
     """`score(reward_fn, texts, problems)`: rewards in worker processes, with the run's time
-    bound, retries and timeout action (`bebop/rl/rewards.py`)."""
+    bound, retries and timeout action (`bebop/rewards.py`)."""
     return functools.partial(
         rewards.score,
         timeout_s=rl.reward_timeout_s,
@@ -291,12 +291,23 @@ def _timed_rollout(rollouts: Rollouts, pol, mtp, toks, lens, spec, rep: int) -> 
     return time.perf_counter() - t0, int(lengths.sum())
 
 
+def speedup_inputs(rollouts: Rollouts, ids) -> tuple:
+    """The speed comparison's prompts (every row, in every process), padded, and laid out over
+    the mesh by rows as a rollout's are (`Rollouts.place`): host arrays would give the samplers
+    a replicated KV cache. Host arrays without a mesh to spread over or with compaction (its
+    drivers move rows on the host)."""
+    toks, lens = sampling.pad_prompts(ids, rollouts.tok.pad_id)
+    if not sharding.spreads(rollouts.mesh) or rollouts.cfg.rollout.compact:
+        return toks, lens
+    return sharding.shard_batch((toks, lens), rollouts.mesh)
+
+
 def rollout_speedup(rollouts: Rollouts, pol, mtp, cfg: RunConfig) -> dict:
     """Plain vs speculative sampler on the same prompts (one RL batch), same run, timed after
     compilation, the two alternating (a drift of the machine's speed reaches both); each the
     best of `rl.speedup_repeats` calls, tokens per second of that call."""
     _, ids = rollouts.prompts(10_000)
-    toks, lens = sampling.pad_prompts(ids, rollouts.tok.pad_id)
+    toks, lens = speedup_inputs(rollouts, ids)
     samplers = {"plain": None}
     if rollouts.spec is not None:
         samplers["spec"] = spec_config(cfg.rollout)

@@ -306,7 +306,9 @@ def run(cfg: RunConfig, workdir: Path, mesh, argv=(), rerun_from: str | None = N
             continue
         record = StageRecord.start(sdir, cfg, argv) if primary else None
         try:
-            summaries[name] = stages[name](cfg, workdir, mesh)
+            # activations, KV caches and decode copies pinned on the mesh (`sharding`)
+            with sharding.activation_mesh(mesh):
+                summaries[name] = stages[name](cfg, workdir, mesh)
         except BaseException as e:
             if record is not None:
                 record.finish(f"failed: {type(e).__name__}: {str(e)[:500]}")
