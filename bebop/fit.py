@@ -114,43 +114,12 @@ def fit(
     stop_fn: Callable[[dict], bool] | None = None,
 ) -> FitResult:
     """`stop_fn(eval_results)`: after each evaluation, True ends training early (checkpointed)."""
-    stage_dir = Path(stage_dir)
-    ckpt = Checkpointer(stage_dir / "ckpt", cfg.ckpt.keep, cfg.ckpt.async_save)
-    writer = MetricsWriter(
-        stage_dir / "metrics.jsonl",
-        stage_dir / "tb" if cfg.tensorboard else None,
-        config=config_lib.to_dict(cfg),
-    )
-    guard = DivergenceGuard(cfg.max_loss_spike, cfg.max_param_growth)
-    saved = None  # newest step checkpointed (restored or saved by this launch)
-    restored = ckpt.restore_latest(state)
-    if restored is not None:
-        saved, state, meta = restored
-        it.set_state(meta["data"])
-        guard.load_state_dict(meta.get("guard"))
-    # A fresh start also drops the records of an earlier launch killed before its first save.
-    writer.truncate_after(saved or 0)
+    run = _Records(name, Path(stage_dir), cfg, it)
+    state = run.resume(state)
     start = int(state.step)
-    profiler = _Profiler(stage_dir / "profile", start + 1, cfg.profile_steps)
-
-    def save(step: int, force: bool = False) -> None:
-        nonlocal saved
-        meta = {"data": it.get_state(), "guard": guard.state_dict()}
-        ckpt.save(step, state, meta, force=force)
-        saved = step
-
-    def last_good() -> str:
-        if saved is None:
-            return "No checkpoint was saved: a rerun starts this stage afresh."
-        return (
-            f"The last good checkpoint is step {saved} in {ckpt.directory} (skipped and "
-            f"diverged steps are never saved): fix the cause (e.g. a lower learning rate) and "
-            f"rerun to resume from it."
-        )
-
+    profiler = _Profiler(run.stage_dir / "profile", start + 1, cfg.profile_steps)
     bar = Progress(total_steps, start, name)
     last, last_eval = {}, {}
-    save_due = False
     t0 = time.perf_counter()
     try:
         while (step := int(state.step)) < total_steps:
@@ -158,46 +127,104 @@ def fit(
             state, m = train_step(state, make_batch(next(it)))
             step += 1
             profiler.after_step(step, state)
-            loss, skipped = float(m["loss"]), bool(m["skipped"])
-            check_nonfinite(state, cfg.max_nonfinite, last_good())
-            why = guard.check(step, loss, float(m.get("param_norm", 0.0)), skipped)
-            if why is not None:
-                writer.write(step, m)
-                raise DivergenceError(f"{name}: {why}; stopping. {last_good()}")
+            skipped = run.check(step, state, m)
             bar.update(1, tokens_per_step)
             if step % log_every == 0 or step == total_steps:
                 extra = {"lr": lr_at(step - 1)} if lr_at is not None else {}
-                last = writer.write(step, {**m, **extra})
-                bar.bar.set_postfix(loss=f"{loss:.4f}", refresh=False)  # NaN logs as "nan"
+                last = run.writer.write(step, {**m, **extra})
+                bar.bar.set_postfix(loss=f"{float(m['loss']):.4f}", refresh=False)
             if (
                 eval_fn is not None
                 and eval_every
                 and (step % eval_every == 0 or step == total_steps)
             ):
                 last_eval = eval_fn(state)
-                writer.write(step, {f"eval/{k}": v for k, v in last_eval.items()})
+                run.writer.write(step, {f"eval/{k}": v for k, v in last_eval.items()})
                 if stop_fn is not None and stop_fn(last_eval):
                     if not skipped:
-                        save(step)
+                        run.save(step, state)
                     break
-            save_due = save_due or step % cfg.ckpt.every == 0 or step == total_steps
-            if save_due and not skipped:  # a skipped step is saved at the next good one
-                save(step)
-                save_due = False
-            if preempted(step):
-                if saved != step and not skipped:
-                    save(step, force=True)
-                raise Preempted(
-                    f"{name}: SIGTERM at step {step}; checkpoint step {saved} in "
-                    f"{ckpt.directory}. Rerun the same command to resume."
-                )
+            run.save_if_due(step, state, skipped, last_step=step == total_steps)
             if stop_at_step is not None and step >= stop_at_step:
                 raise Interrupted(f"stopped at step {step}")
-        if saved != int(state.step):
-            log.warning("%s: the last step was skipped; newest checkpoint: step %s", name, saved)
+        if run.saved != int(state.step):
+            log.warning(
+                "%s: the last step was skipped; newest checkpoint: step %s", name, run.saved
+            )
     finally:
         profiler.stop()
         bar.close()
-        ckpt.close()
-        writer.close()
+        run.close()
     return FitResult(state, int(state.step) - start, time.perf_counter() - t0, last, last_eval)
+
+
+class _Records:
+    """A training stage's checkpoints (with the data iterator's and the divergence guard's
+    state), its metrics writer and its guards."""
+
+    def __init__(self, name: str, stage_dir: Path, cfg: RunConfig, it):
+        self.name, self.stage_dir, self.cfg, self.it = name, stage_dir, cfg, it
+        self.ckpt = Checkpointer(stage_dir / "ckpt", cfg.ckpt.keep, cfg.ckpt.async_save)
+        self.writer = MetricsWriter(
+            stage_dir / "metrics.jsonl",
+            stage_dir / "tb" if cfg.tensorboard else None,
+            config=config_lib.to_dict(cfg),
+        )
+        self.guard = DivergenceGuard(cfg.max_loss_spike, cfg.max_param_growth)
+        self.saved = None  # newest step checkpointed (restored or saved by this launch)
+        self.save_due = False
+
+    def resume(self, state: TrainState) -> TrainState:
+        """The newest checkpoint's state (the data iterator and the guard restored with it), or
+        `state`. A fresh start also drops the records of an earlier launch killed before its
+        first save."""
+        restored = self.ckpt.restore_latest(state)
+        if restored is not None:
+            self.saved, state, meta = restored
+            self.it.set_state(meta["data"])
+            self.guard.load_state_dict(meta.get("guard"))
+        self.writer.truncate_after(self.saved or 0)
+        return state
+
+    def check(self, step: int, state: TrainState, m: dict) -> bool:
+        """The non-finite and divergence guards after `step`; returns whether it was skipped."""
+        loss, skipped = float(m["loss"]), bool(m["skipped"])
+        check_nonfinite(state, self.cfg.max_nonfinite, self.last_good())
+        why = self.guard.check(step, loss, float(m.get("param_norm", 0.0)), skipped)
+        if why is not None:
+            self.writer.write(step, m)
+            raise DivergenceError(f"{self.name}: {why}; stopping. {self.last_good()}")
+        return skipped
+
+    def save(self, step: int, state: TrainState, force: bool = False) -> None:
+        meta = {"data": self.it.get_state(), "guard": self.guard.state_dict()}
+        self.ckpt.save(step, state, meta, force=force)
+        self.saved = step
+
+    def save_if_due(self, step: int, state: TrainState, skipped: bool, last_step: bool) -> None:
+        """A checkpoint every `ckpt.every` steps and at the last (a skipped step is saved at the
+        next good one); on SIGTERM, one now and `Preempted`."""
+        self.save_due = self.save_due or step % self.cfg.ckpt.every == 0 or last_step
+        if self.save_due and not skipped:
+            self.save(step, state)
+            self.save_due = False
+        if preempted(step):
+            if self.saved != step and not skipped:
+                self.save(step, state, force=True)
+            raise Preempted(
+                f"{self.name}: SIGTERM at step {step}; checkpoint step {self.saved} in "
+                f"{self.ckpt.directory}. Rerun the same command to resume."
+            )
+
+    def last_good(self) -> str:
+        if self.saved is None:
+            return "No checkpoint was saved: a rerun starts this stage afresh."
+        return (
+            f"The last good checkpoint is step {self.saved} in {self.ckpt.directory} (skipped and "
+            f"diverged steps are never saved): fix the cause (e.g. a lower learning rate) and "
+            f"rerun to resume from it."
+        )
+
+    def close(self) -> None:
+        self.ckpt.close()
+        self.writer.close()

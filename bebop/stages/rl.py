@@ -27,6 +27,7 @@ per-token draft records (see `records`).
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import queue
 import threading
@@ -92,220 +93,348 @@ def run(
 ) -> dict:
     """`task`: the RL task (default `tasks.make_task(cfg.task)`); `make_rollouts`: the rollout
     source's constructor, called like `rl_rollouts.Rollouts`."""
-    rdir, rl = Path(workdir) / "rl", cfg.rl
-    policy = policies.load(cfg, workdir, mesh)
-    pol_gd, pol_params, tok = policy.graphdef, policy.params, policy.tok
-    task = task or tasks.make_task(cfg.task)
-    mtp_gd, mtp_params, vocab = load_draft_model(cfg, workdir, policy, mesh)
-    # The KL reference: the policy at RL start (also on resume), a copy the learner never donates.
-    ref_params = loop.snapshot(pol_params) if rl.kl_coef > 0 else None
-    score = rl_rollouts.reward_scorer(rl)
-
-    def greedy_accuracy(params) -> float:
-        return rollout.greedy_accuracy(
-            (pol_gd, params),
-            tok,
-            task,
-            cfg.seed,
-            rl.eval_samples,
-            cfg.rollout.max_new_tokens,
-            score,
-        )
-
-    acc_before = greedy_accuracy(pol_params)
-    opt = make_optimizer(rl.optim, rl.steps)
-    mtp_opt = make_optimizer(rl.mtp_optim, rl.steps)
-    pol_state = sharding.replicate_unplaced(
-        TrainState.create(pol_params, opt, cfg.seed + 200), mesh
-    )
-    mtp_state = sharding.replicate_unplaced(
-        TrainState.create(mtp_params, mtp_opt, cfg.seed + 201), mesh
-    )
-    versions = {"policy": 0, "mtp": 0}
-
-    ckpt = Checkpointer(rdir / "ckpt", cfg.ckpt.keep, cfg.ckpt.async_save)
-    writer = MetricsWriter(
-        rdir / "metrics.jsonl", rdir / "tb" if cfg.tensorboard else None, config_lib.to_dict(cfg)
-    )
-    saved = None  # the newest checkpointed step: skipped updates are never saved
-
-    def last_good() -> str:
-        where = f"step {saved}" if saved is not None else "none saved this launch"
-        return f"The last good RL checkpoint ({where}) is in {ckpt.directory}; rerun to resume."
-
-    drafts_path = rdir / "draft_tokens.bin"
-    # Behaviour versions in the decode dtype (`loop.behaviour_copy`): one float32 master (the
-    # train state's) plus bfloat16 copies on a bfloat16 run.
-    store = loop.WeightStore(keep=rl.max_staleness + 2)
-    keep_copy = lambda params: loop.behaviour_copy(params, policy.cfg.dtype)  # noqa: E731
-    history, evals = [], [(0, acc_before)]  # (step, greedy accuracy); also on resume
-    timer, wall_before = Timer(), 0.0  # time split and RL wall time of earlier launches
-    first_version = 0  # batch i comes from version max(first_version, i - max_staleness)
-    restored = restore(ckpt, pol_state, mtp_state, rl.max_staleness, policy.cfg.dtype)
-    if restored is not None:
-        step, st, meta = restored
-        pol_state, mtp_state, versions = st["policy"], st["mtp"], meta["versions"]
-        run_meta = meta.get("run", {})
-        history, evals = (
-            run_meta.get("history", []),
-            [tuple(e) for e in run_meta.get("evals", evals)],
-        )
-        timer.totals.update(run_meta.get("timings", {}))
-        wall_before = run_meta.get("rl_wall_s", 0.0)
-        if "behaviour" in st:  # the versions the next batches come from, as uninterrupted
-            for slot, (v, mv) in enumerate(meta["behaviour"]):
-                w = st["behaviour"][f"v{slot}"]
-                store.publish(v, keep_copy(w["policy"]), w["mtp"], mv)
-        else:  # a checkpoint of an older bebop: the first batches after it are fresher
-            first_version = step
-            log.warning("rl: %s holds no behaviour weights; resuming on-policy", ckpt.directory)
-        writer.truncate_after(step)
-        if writer.enabled:
-            records.truncate_draft_tokens(drafts_path, step)
-    else:  # a fresh run (also after a launch killed before its first checkpoint)
-        writer.truncate_after(0)
-        if writer.enabled and drafts_path.exists():
-            drafts_path.unlink()
-    start = int(pol_state.step)
-
-    store.publish(
-        versions["policy"],
-        keep_copy(pol_state.params),
-        loop.snapshot(mtp_state.params),
-        versions["mtp"],
-    )
-    scfg = rollout.sampling_config(
-        cfg.rollout, tok
-    )  # the learner's log-probs use the sampler's support
-    learn = learner.build(
-        cfg,
-        pol_gd,
-        mtp_gd,
-        scfg,
-        vocab,
-        opt,
-        mtp_opt,
-        store,
-        ref_params,
-        model_cfg=policy.cfg,
-        batch_shards=batch_shards(mesh),
-    )
-    strategy = learner.MTP_STRATEGIES[rl.mtp_strategy]
-    lr_fn = schedule(rl.optim, rl.steps)
-    record, keep_hidden = learner.rollout_records(cfg)
+    r = set_up(cfg, workdir, mesh, task)
+    resume(r)
+    learn = build_learner(r)
     rollouts = make_rollouts(
         cfg,
-        pol_gd,
-        mtp_gd,
-        tok,
-        task,
-        record=record,
-        vocab=vocab,
-        keep_hidden=keep_hidden,
+        r.pol_gd,
+        r.mtp_gd,
+        r.tok,
+        r.task,
+        record=r.record,
+        vocab=r.vocab,
+        keep_hidden=r.keep_hidden,
         mesh=mesh,
     )
-    q: queue.Queue = queue.Queue(maxsize=max(1, rl.max_staleness))
-    stop = threading.Event()
-    # Several processes: rollouts and updates launch in one global order (`loop.Turnstile`).
-    turns = loop.Turnstile(start, rl.max_staleness, rl.steps) if jax.process_count() > 1 else None
-    worker = loop.RolloutWorker(
-        rollouts, store, q, start, rl.max_staleness, stop, first_version, rl.steps, turns
-    )
-    worker.start()
-
-    save_due = False
-    collapse = guards.DraftCollapseGuard(rl.draft_collapse_ratio, rl.draft_collapse_action)
-    bar = Progress(rl.steps, start, "rl")
+    worker = RolloutThread(r, rollouts)
+    collapse = guards.DraftCollapseGuard(cfg.rl.draft_collapse_ratio, cfg.rl.draft_collapse_action)
+    bar = Progress(cfg.rl.steps, r.start, "rl")
     t_start = time.perf_counter()
     try:
-        for step in range(start, rl.steps):
+        for step in range(r.start, cfg.rl.steps):
             split = Timer()  # this step's time split
-            if turns is not None:
-                turns.acquire(("L", step))
-            with split("wait_s"):
-                batch = loop.next_batch(q, step, versions["policy"], rl.max_staleness)
-            loop.check_agreement(step, batch, versions["policy"])
+            batch = worker.next_batch(step, split)
             if cfg.rollout.mode != "plain":
                 rate = batch.stats.get("accept_rate")
                 collapse.update(step, rate, batch.policy_version, batch.mtp_version)
-            dev = batch.place(mesh)
-            pol_state, mtp_state, m, mtp_updated = strategy(
-                learn, split, pol_state, mtp_state, dev, batch.policy_version, step
-            )
-            m["lr"] = lr_fn(step)
-            versions["mtp"] += int(mtp_updated)
-            learner.check_updates(pol_state, mtp_state, cfg.max_nonfinite, last_good())
-            versions["policy"] += 1
-            with split("sync_s"):
-                store.publish(
-                    versions["policy"],
-                    keep_copy(pol_state.params),
-                    loop.snapshot(mtp_state.params),
-                    versions["mtp"],
-                )
-            if rl.eval_every and (step + 1) % rl.eval_every == 0 and step + 1 < rl.steps:
-                with split("eval_s"):
-                    m["eval_accuracy"] = greedy_accuracy(pol_state.params)
-                evals.append((step + 1, m["eval_accuracy"]))
-            for k, v in split.totals.items():
-                timer.totals[k] = timer.totals.get(k, 0.0) + v
-            rec = {
-                **m,
-                **batch.stats,
-                **batch.timings,
-                **split.totals,
-                "time": time.time(),
-                "policy_version": versions["policy"],
-                "batch_policy_version": batch.policy_version,
-                "batch_mtp_version": batch.mtp_version,
-                "mtp_version": versions["mtp"],
-                "staleness": versions["policy"] - 1 - batch.policy_version,
-            }
-            rec_host = sharding.to_host(rec)
-            history.append({k: float(rec_host[k]) for k in SUMMARY_KEYS if k in rec_host})
-            reward = f"{batch.stats['reward_mean']:.3f}"
-            bar.update(1, batch.stats["response_tokens"], reward=reward)
-            if (step + 1) % rl.log_every == 0 or step + 1 == rl.steps:
-                writer.write(step + 1, rec)
-            if writer.enabled and batch.draft_tokens is not None:
-                records.append_draft_tokens(drafts_path, batch.draft_tokens)
-            save_due = save_due or (step + 1) % cfg.ckpt.every == 0 or step + 1 == rl.steps
-            skipped = bool(m.get("skipped", False)) or bool(m.get("mtp_skipped", False))
-            if (save_due or preempted(step + 1)) and not skipped:
-                state, meta = checkpoint_state(pol_state, mtp_state, store, step + 1, rl)
-                meta["versions"] = versions
-                meta["run"] = {  # copies: an async save may serialise after the next step
-                    "history": list(history),
-                    "evals": list(evals),
-                    "timings": dict(timer.totals),
-                    "rl_wall_s": wall_before + time.perf_counter() - t_start,
-                }
-                ckpt.save(step + 1, state, meta, force=preempted(step + 1))
-                saved, save_due = step + 1, False
-            if preempted(step + 1):
-                raise Preempted(f"rl: SIGTERM at step {step + 1}; {last_good()}")
+            m = learner_step(r, learn, batch, split, step)
+            record_step(r, batch, m, split, step, bar)
+            save(r, step, m, wall_s=r.wall_before + time.perf_counter() - t_start)
             if stop_at_step is not None and step + 1 >= stop_at_step:
                 raise Interrupted(f"stopped at step {step + 1}")
-            if turns is not None:
-                turns.release(("L", step))
+            worker.release(step)
     finally:
-        stop.set()
-        if turns is not None:
-            turns.close()
-        worker.join(timeout=60)
+        worker.close()
         bar.close()
-        ckpt.close()
-        writer.close()
-    rl_wall = wall_before + time.perf_counter() - t_start
+        r.ckpt.close()
+        r.writer.close()
+    return finish(r, rollouts, rl_wall=r.wall_before + time.perf_counter() - t_start)
 
-    acc_after = greedy_accuracy(pol_state.params)
+
+@dataclasses.dataclass
+class RLRun:
+    """What the RL stage's phases share: the run's fixed parts (config, policy, MTP graph, task,
+    checkpointer, metrics writer, weight store) and its state (train states, versions, history,
+    timings), which `resume` replaces from a checkpoint."""
+
+    cfg: RunConfig
+    rdir: Path
+    mesh: object
+    policy: object
+    task: tasks.Task
+    mtp_gd: object
+    vocab: object
+    score: object
+    ref_params: object
+    opt: object
+    mtp_opt: object
+    pol_state: TrainState
+    mtp_state: TrainState
+    ckpt: Checkpointer
+    writer: MetricsWriter
+    store: loop.WeightStore
+    record: bool
+    keep_hidden: bool
+    acc_before: float
+    versions: dict = dataclasses.field(default_factory=lambda: {"policy": 0, "mtp": 0})
+    history: list = dataclasses.field(default_factory=list)
+    evals: list = dataclasses.field(default_factory=list)  # (step, greedy accuracy)
+    timer: Timer = dataclasses.field(default_factory=Timer)  # the run's time split
+    wall_before: float = 0.0  # RL wall time of earlier launches
+    first_version: int = 0  # batch i comes from version max(first_version, i - max_staleness)
+    start: int = 0
+    saved: int | None = None  # the newest checkpointed step: skipped updates are never saved
+    save_due: bool = False
+
+    @property
+    def pol_gd(self):
+        return self.policy.graphdef
+
+    @property
+    def tok(self):
+        return self.policy.tok
+
+    @property
+    def drafts_path(self) -> Path:
+        return self.rdir / "draft_tokens.bin"
+
+    def greedy_accuracy(self, params) -> float:
+        c = self.cfg
+        return rollout.greedy_accuracy(
+            (self.pol_gd, params),
+            self.tok,
+            self.task,
+            c.seed,
+            c.rl.eval_samples,
+            c.rollout.max_new_tokens,
+            self.score,
+        )
+
+    def keep_copy(self, params):
+        """A behaviour version in the decode dtype (`loop.behaviour_copy`): one float32 master
+        (the train state's) plus bfloat16 copies on a bfloat16 run."""
+        return loop.behaviour_copy(params, self.policy.cfg.dtype)
+
+    def publish(self) -> None:
+        """The current weights as the next behaviour version (what the rollouts sample from)."""
+        self.store.publish(
+            self.versions["policy"],
+            self.keep_copy(self.pol_state.params),
+            loop.snapshot(self.mtp_state.params),
+            self.versions["mtp"],
+        )
+
+    def last_good(self) -> str:
+        where = f"step {self.saved}" if self.saved is not None else "none saved this launch"
+        return (
+            f"The last good RL checkpoint ({where}) is in {self.ckpt.directory}; rerun to resume."
+        )
+
+
+def set_up(cfg: RunConfig, workdir: Path, mesh, task) -> RLRun:
+    """Policy, MTP, task, the KL reference (the policy at RL start, also on resume: a copy the
+    learner never donates), greedy accuracy before RL, fresh train states, the checkpointer, the
+    metrics writer and the weight store."""
+    rl, rdir = cfg.rl, Path(workdir) / "rl"
+    policy = policies.load(cfg, workdir, mesh)
+    task = task or tasks.make_task(cfg.task)
+    mtp_gd, mtp_params, vocab = load_draft_model(cfg, workdir, policy, mesh)
+    opt = make_optimizer(rl.optim, rl.steps)
+    mtp_opt = make_optimizer(rl.mtp_optim, rl.steps)
+    record, keep_hidden = learner.rollout_records(cfg)
+    r = RLRun(
+        cfg=cfg,
+        rdir=rdir,
+        mesh=mesh,
+        policy=policy,
+        task=task,
+        mtp_gd=mtp_gd,
+        vocab=vocab,
+        score=rl_rollouts.reward_scorer(rl),
+        ref_params=loop.snapshot(policy.params) if rl.kl_coef > 0 else None,
+        opt=opt,
+        mtp_opt=mtp_opt,
+        pol_state=None,
+        mtp_state=None,
+        ckpt=Checkpointer(rdir / "ckpt", cfg.ckpt.keep, cfg.ckpt.async_save),
+        writer=None,
+        store=loop.WeightStore(keep=rl.max_staleness + 2),
+        record=record,
+        keep_hidden=keep_hidden,
+        acc_before=0.0,
+    )
+    r.acc_before = r.greedy_accuracy(policy.params)
+    r.evals = [(0, r.acc_before)]
+    r.pol_state = sharding.replicate_unplaced(
+        TrainState.create(policy.params, opt, cfg.seed + 200), mesh
+    )
+    r.mtp_state = sharding.replicate_unplaced(
+        TrainState.create(mtp_params, mtp_opt, cfg.seed + 201), mesh
+    )
+    r.writer = MetricsWriter(
+        rdir / "metrics.jsonl", rdir / "tb" if cfg.tensorboard else None, config_lib.to_dict(cfg)
+    )
+    return r
+
+
+def resume(r: RLRun) -> None:
+    """From the newest checkpoint: both train states, versions, history, timings and the
+    behaviour weights the next batches come from (as the uninterrupted run would); the records
+    cut back to its step. A fresh run (also after a launch killed before its first checkpoint)
+    clears them. Then the current weights are published."""
+    rl = r.cfg.rl
+    restored = restore(r.ckpt, r.pol_state, r.mtp_state, rl.max_staleness, r.policy.cfg.dtype)
+    if restored is not None:
+        step, st, meta = restored
+        r.pol_state, r.mtp_state, r.versions = st["policy"], st["mtp"], meta["versions"]
+        run_meta = meta.get("run", {})
+        r.history = run_meta.get("history", [])
+        r.evals = [tuple(e) for e in run_meta.get("evals", r.evals)]
+        r.timer.totals.update(run_meta.get("timings", {}))
+        r.wall_before = run_meta.get("rl_wall_s", 0.0)
+        if "behaviour" in st:  # the versions the next batches come from, as uninterrupted
+            for slot, (v, mv) in enumerate(meta["behaviour"]):
+                w = st["behaviour"][f"v{slot}"]
+                r.store.publish(v, r.keep_copy(w["policy"]), w["mtp"], mv)
+        else:  # a checkpoint of an older bebop: the first batches after it are fresher
+            r.first_version = step
+            log.warning("rl: %s holds no behaviour weights; resuming on-policy", r.ckpt.directory)
+        r.writer.truncate_after(step)
+        if r.writer.enabled:
+            records.truncate_draft_tokens(r.drafts_path, step)
+    else:
+        r.writer.truncate_after(0)
+        if r.writer.enabled and r.drafts_path.exists():
+            r.drafts_path.unlink()
+    r.start = int(r.pol_state.step)
+    r.publish()
+
+
+def build_learner(r: RLRun) -> learner.Learner:
+    """The learner's jitted steps; its log-probs use the sampler's support (`sampling_config`)."""
+    return learner.build(
+        r.cfg,
+        r.pol_gd,
+        r.mtp_gd,
+        rollout.sampling_config(r.cfg.rollout, r.tok),
+        r.vocab,
+        r.opt,
+        r.mtp_opt,
+        r.store,
+        r.ref_params,
+        model_cfg=r.policy.cfg,
+        batch_shards=batch_shards(r.mesh),
+    )
+
+
+class RolloutThread:
+    """The rollout worker thread (`loop.RolloutWorker`) and its queue: batch i from behaviour
+    version max(first_version, i - max_staleness). Several processes: rollouts and updates launch
+    in one global order (`loop.Turnstile`)."""
+
+    def __init__(self, r: RLRun, rollouts):
+        rl = r.cfg.rl
+        self.q: queue.Queue = queue.Queue(maxsize=max(1, rl.max_staleness))
+        self.stop = threading.Event()
+        self.turns = (
+            loop.Turnstile(r.start, rl.max_staleness, rl.steps) if jax.process_count() > 1 else None
+        )
+        self.r = r
+        self.worker = loop.RolloutWorker(
+            rollouts,
+            r.store,
+            self.q,
+            r.start,
+            rl.max_staleness,
+            self.stop,
+            r.first_version,
+            rl.steps,
+            self.turns,
+        )
+        self.worker.start()
+
+    def next_batch(self, step: int, split: Timer) -> loop.RolloutBatch:
+        """The batch of `step` (its wait timed), checked to agree with every process."""
+        if self.turns is not None:
+            self.turns.acquire(("L", step))
+        version = self.r.versions["policy"]
+        with split("wait_s"):
+            batch = loop.next_batch(self.q, step, version, self.r.cfg.rl.max_staleness)
+        loop.check_agreement(step, batch, version)
+        return batch
+
+    def release(self, step: int) -> None:
+        if self.turns is not None:
+            self.turns.release(("L", step))
+
+    def close(self) -> None:
+        self.stop.set()
+        if self.turns is not None:
+            self.turns.close()
+        self.worker.join(timeout=60)
+
+
+def learner_step(r: RLRun, learn: learner.Learner, batch, split: Timer, step: int) -> dict:
+    """The strategy's update on the batch, the non-finite guard, the new weights published, and
+    every `rl.eval_every` steps a greedy accuracy. Returns the step's metrics."""
+    rl = r.cfg.rl
+    strategy = learner.MTP_STRATEGIES[rl.mtp_strategy]
+    r.pol_state, r.mtp_state, m, mtp_updated = strategy(
+        learn, split, r.pol_state, r.mtp_state, batch.place(r.mesh), batch.policy_version, step
+    )
+    m["lr"] = schedule(rl.optim, rl.steps)(step)
+    r.versions["mtp"] += int(mtp_updated)
+    learner.check_updates(r.pol_state, r.mtp_state, r.cfg.max_nonfinite, r.last_good())
+    r.versions["policy"] += 1
+    with split("sync_s"):
+        r.publish()
+    if rl.eval_every and (step + 1) % rl.eval_every == 0 and step + 1 < rl.steps:
+        with split("eval_s"):
+            m["eval_accuracy"] = r.greedy_accuracy(r.pol_state.params)
+        r.evals.append((step + 1, m["eval_accuracy"]))
+    return m
+
+
+def record_step(r: RLRun, batch, m: dict, split: Timer, step: int, bar: Progress) -> None:
+    """The step's record (metrics, rollout statistics, time split, versions) to metrics.jsonl
+    every `rl.log_every` steps, its summary keys to the history, drafted tokens to
+    draft_tokens.bin, and the progress bar."""
+    for k, v in split.totals.items():
+        r.timer.totals[k] = r.timer.totals.get(k, 0.0) + v
+    rec = {
+        **m,
+        **batch.stats,
+        **batch.timings,
+        **split.totals,
+        "time": time.time(),
+        "policy_version": r.versions["policy"],
+        "batch_policy_version": batch.policy_version,
+        "batch_mtp_version": batch.mtp_version,
+        "mtp_version": r.versions["mtp"],
+        "staleness": r.versions["policy"] - 1 - batch.policy_version,
+    }
+    rec_host = sharding.to_host(rec)
+    r.history.append({k: float(rec_host[k]) for k in SUMMARY_KEYS if k in rec_host})
+    bar.update(1, batch.stats["response_tokens"], reward=f"{batch.stats['reward_mean']:.3f}")
+    if (step + 1) % r.cfg.rl.log_every == 0 or step + 1 == r.cfg.rl.steps:
+        r.writer.write(step + 1, rec)
+    if r.writer.enabled and batch.draft_tokens is not None:
+        records.append_draft_tokens(r.drafts_path, batch.draft_tokens)
+
+
+def save(r: RLRun, step: int, m: dict, wall_s: float) -> None:
+    """A checkpoint every `ckpt.every` steps, at the last step and on SIGTERM (never of a
+    skipped update: it waits for the next good one); on SIGTERM then `Preempted`."""
+    c = r.cfg
+    r.save_due = r.save_due or (step + 1) % c.ckpt.every == 0 or step + 1 == c.rl.steps
+    skipped = bool(m.get("skipped", False)) or bool(m.get("mtp_skipped", False))
+    if (r.save_due or preempted(step + 1)) and not skipped:
+        state, meta = checkpoint_state(r.pol_state, r.mtp_state, r.store, step + 1, c.rl)
+        meta["versions"] = r.versions
+        meta["run"] = {  # copies: an async save may serialise after the next step
+            "history": list(r.history),
+            "evals": list(r.evals),
+            "timings": dict(r.timer.totals),
+            "rl_wall_s": wall_s,
+        }
+        r.ckpt.save(step + 1, state, meta, force=preempted(step + 1))
+        r.saved, r.save_due = step + 1, False
+    if preempted(step + 1):
+        raise Preempted(f"rl: SIGTERM at step {step + 1}; {r.last_good()}")
+
+
+def finish(r: RLRun, rollouts, rl_wall: float) -> dict:
+    """Greedy accuracy after RL, the plain-vs-speculative speed comparison and `summary.json`."""
+    rl = r.cfg.rl
+    acc_after = r.greedy_accuracy(r.pol_state.params)
     speed = None
-    if cfg.rl.speedup_repeats:
-        speed = rl_rollouts.rollout_speedup(rollouts, pol_state.params, mtp_state.params, cfg)
-    summary = summarize(history, rl, acc_before, acc_after, rl_wall, timer.totals, speed)
-    summary["eval_curve"] = [*evals, (rl.steps, acc_after)]  # (step, greedy accuracy)
+    if rl.speedup_repeats:
+        speed = rl_rollouts.rollout_speedup(rollouts, r.pol_state.params, r.mtp_state.params, r.cfg)
+    summary = summarize(r.history, rl, r.acc_before, acc_after, rl_wall, r.timer.totals, speed)
+    summary["eval_curve"] = [*r.evals, (rl.steps, acc_after)]  # (step, greedy accuracy)
     if sharding.is_primary():
-        io.write_json_atomic(rdir / "summary.json", summary)
+        io.write_json_atomic(r.rdir / "summary.json", summary)
     return summary
 
 
