@@ -14,7 +14,6 @@ from bebop import (
     compaction,
     config,
     model,
-    rollout,
     sampling,
     sharding,
     spec_compacted,
@@ -403,7 +402,7 @@ def test_rollout_speedup_alternates_the_samplers_and_takes_each_ones_best(monkey
         calls.append((name, rep))
         return scripted[name][rep]
 
-    monkeypatch.setattr(rollout, "_timed_rollout", fake)
+    monkeypatch.setattr(rl_rollouts, "_timed_rollout", fake)
     res = rl_rollouts.rollout_speedup(ro, None, None, cfg)
     assert calls == [(n, r) for r in range(4) for n in ("plain", "spec")]
     assert res["plain_s"] == 1.0 and res["plain_tok_s"] == 120.0
