@@ -35,7 +35,7 @@ while the learner updates): step = max(W, L) + κ min(W, L) + overhead, where κ
 contention, is the share of the shorter phase that does not overlap: 0 when sampler and
 learner have their own hardware, up to 1 when both saturate the same cores (no gain at all);
 on a CPU it is measured by running a rollout and a learner step at once (see
-`experiments/e2e_speedup/predict.py`).
+`experiments.e2e_speedup.predict`).
 
 `roofline_costs` gives the same cost layout for an accelerator from a stated roofline (HBM
 bandwidth and peak FLOP/s), for the projections printed by `python -m bebop.costs project`:

@@ -262,7 +262,7 @@ class Attention(nnx.Module):
         """In place: the decode layout, q, k and v projected by one `[D, (H + 2K) Dh]` matrix
         (and one bias). At batch 1 a decode step is a chain of matrix-vector products, and on
         CPU one product over the concatenated matrix streams the weights faster than three
-        (`benchmarks/decode.py`; docs/performance.md has the figures)."""
+        (`benchmarks.decode`; docs/performance.md has the figures)."""
         d = self.cfg.dim
         if self.wq.ndim != 3:  # a stacked [L, D, H, Dh] module would reshape into garbage
             raise ValueError(f"fuse: one layer's weights expected, got wq {self.wq.shape}")

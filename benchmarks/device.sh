@@ -51,8 +51,8 @@ export JAX_COMPILATION_CACHE_DIR="${JAX_COMPILATION_CACHE_DIR:-${WORK}/jax_cache
 log() { echo "$*" | tee -a "${LOG}" >&2; }
 
 summary() {  # SETUP_JSON: writes OUT/summary.json and prints it
-  "${PY}" benchmarks/device_summary.py "${OUT}" "${TSV}" "$1" 2>> "${LOG}" \
-    || echo "{\"errors\": {\"summary\": \"device_summary.py failed (see device.log)\"}}"
+  "${PY}" -m benchmarks.device_summary "${OUT}" "${TSV}" "$1" 2>> "${LOG}" \
+    || echo "{\"errors\": {\"summary\": \"benchmarks.device_summary failed (see device.log)\"}}"
 }
 
 # --- the carried wheels, installed into a target folder (pip told to use no index or config)
@@ -161,17 +161,17 @@ else
 fi
 for o in ${E2E_SET:-}; do E2E+=(--set "${o}"); done
 
-run_step decode_qwen3_8b 150 "${PY}" benchmarks/decode.py --model random "${Q[@]}" \
-  --dtype bfloat16 --temps 0 --skip_products "${DEC[@]}"
-run_step rollout_qwen3_8b 150 "${PY}" benchmarks/rollout.py --model random "${Q[@]}" \
+run_step decode_qwen3_8b 150 "${PY}" -m benchmarks.decode --model random "${Q[@]}" \
+  --dtype bfloat16 --temperatures 0 --skip_products "${DEC[@]}"
+run_step rollout_qwen3_8b 150 "${PY}" -m benchmarks.rollout --model random "${Q[@]}" \
   --dtype bfloat16 --costs_only --alphas 0.6,0.7,0.8,0.9 "${ROLL[@]}"
-run_step e2e 300 "${PY}" benchmarks/e2e.py --workdir "${WORK}/e2e" "${E2E[@]}" \
+run_step e2e 300 "${PY}" -m benchmarks.e2e --out "${WORK}/e2e" "${E2E[@]}" \
   --arms "${E2E_ARMS:-plain,frozen_rs}"
 # the tiny Qwen3 is built from SmolLM2's tokenizer (its GGUF): carried ready-made in .whl/tiny_hf
 if [ -d .whl/tiny_hf ]; then mkdir -p "${WORK}/runlocal" && cp -r .whl/tiny_hf "${WORK}/runlocal/"; fi
 run_step runlocal 90 "${PY}" launch.py --config configs/qwen3_gpu.py:runlocal \
   --workdir "${WORK}/runlocal"
-run_step decode_smollm2 100 "${PY}" benchmarks/decode.py --model random "${S[@]}" \
-  --dtype bfloat16 --temps 0 --skip_products "${DEC[@]}"
+run_step decode_smollm2 100 "${PY}" -m benchmarks.decode --model random "${S[@]}" \
+  --dtype bfloat16 --temperatures 0 --skip_products "${DEC[@]}"
 
 summary "${setup}"

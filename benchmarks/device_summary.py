@@ -1,7 +1,7 @@
 """`benchmarks/device.sh`'s summary: reads OUT/<step>.json (each step's last JSON line, or
 nothing) and the steps' exit records, writes OUT/summary.json and prints it as one line.
 
-    python benchmarks/device_summary.py OUT STEPS_TSV SETUP_JSON
+    python -m benchmarks.device_summary OUT STEPS_TSV SETUP_JSON
 
 STEPS_TSV: one line per step, `name<TAB>exit status<TAB>seconds<TAB>limit` (exit status 124: cut
 at its limit; `skipped`: no time was left). The summary holds, per step, its status and its

@@ -1,13 +1,13 @@
 """The demo pipeline end to end, then its RL stage with and without speculative rollouts.
 
-    python benchmarks/e2e.py --workdir /tmp/e2e [--config configs/demo.py] [--set rl.steps=60]
+    python -m benchmarks.e2e --out /tmp/e2e [--config configs/demo.py] [--set rl.steps=60]
 
 1. `launch.py --config CONFIG` (the demo: SFT, distillation, MTP, async GRPO with speculative
    rollouts), timed whole; each stage's scalar summary figures are kept.
 2. From that run's SFT policy and MTP, the RL stage twice more with the same seed and prompts
-   (`experiments/common.py`'s arms, greedy evaluation only at the end): `plain` rollouts and
+   (`experiments.common`'s arms, greedy evaluation only at the end): `plain` rollouts and
    `frozen_rs` (the frozen MTP drafts, rejection sampling: Bebop's recipe), one after the other.
-   Per arm (`experiments/e2e_speedup/run.py`'s `timing`): RL time after step 1 (which compiles),
+   Per arm (`experiments.e2e_speedup.run`'s `timing`): RL time after step 1 (which compiles),
    median step, rollout time and its share of the RL time (asynchronous RL samples the next
    batch while the learner updates, so the share can exceed 1), accept length, reward and
    accuracy after RL; and the speedups plain / speculative.
@@ -22,12 +22,8 @@ from __future__ import annotations
 import argparse
 import json
 import signal
-import sys
 import time
 from pathlib import Path
-
-REPO = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(REPO))
 
 ARMS = ("plain", "frozen_rs")
 STAGES = ("sft", "distill", "mtp", "rl")
@@ -53,7 +49,9 @@ def arm_figures(res) -> dict:
 
 def main():
     ap = argparse.ArgumentParser()
-    ap.add_argument("--workdir", default="runs/e2e")
+    ap.add_argument(
+        "--out", "--workdir", default="runs/e2e", help="the pipeline's run (the arms: OUT/arms)"
+    )
     ap.add_argument("--config", default="configs/demo.py")
     ap.add_argument("--set", action="append", default=[], help="KEY=VALUE config override")
     ap.add_argument("--arms", default=",".join(ARMS), help=f"RL arms after the pipeline {ARMS}")
@@ -62,7 +60,7 @@ def main():
 
     from experiments import common
 
-    wd = Path(args.workdir).absolute()
+    wd = Path(args.out).absolute()
     res = {"config": args.config, "overrides": args.set, "device": jax.devices()[0].device_kind}
     t0 = time.perf_counter()
 

@@ -2,8 +2,8 @@
 run executes, compiled at the run's real shapes on a fake CPU mesh, read from XLA's
 `compiled.memory_analysis()`.
 
-    python benchmarks/memory.py --config configs/qwen3_gpu.py --arch qwen3-8b
-    python benchmarks/memory.py --config configs/qwen3_tpu_pod.py --arch qwen3-8b
+    python -m benchmarks.memory --config configs/qwen3_gpu.py --arch qwen3-8b
+    python -m benchmarks.memory --config configs/qwen3_tpu_pod.py --arch qwen3-8b
 
 The architecture comes from a shipped table (`bebop/checkpoints/arch/NAME.json`, the model's
 `config.json` fields; no weights). Abstract arrays (`jax.ShapeDtypeStruct`) carry the run's
@@ -41,12 +41,10 @@ import dataclasses
 import functools
 import json
 import os
-import sys
 import time
 from pathlib import Path
 
 GB = 1e9
-REPO = Path(__file__).resolve().parents[1]
 
 
 def parse_args(argv=None):
@@ -65,7 +63,7 @@ def parse_args(argv=None):
     ap.add_argument("--layers", default="2,4", help="depths to compile (extrapolated linearly)")
     ap.add_argument("--check_layers", type=int, default=0, help="also compile here; report error")
     ap.add_argument("--prompt_len", type=int, default=128, help="padded prompt width (tokens)")
-    ap.add_argument("--override", action="append", default=[], help="config key=value")
+    ap.add_argument("--set", "--override", action="append", default=[], help="config KEY=VALUE")
     ap.add_argument("--programs", default="", help="comma-separated subset of program names")
     return ap.parse_args(argv)
 
@@ -568,7 +566,6 @@ def main(argv=None) -> dict:
     args = parse_args(argv)
     set_device_count(args.devices)
     t_start = time.perf_counter()
-    sys.path.insert(0, str(REPO))
     import jax
 
     from bebop import config as config_lib
@@ -576,7 +573,7 @@ def main(argv=None) -> dict:
     from bebop.checkpoints import hf
     from bebop.config import MeshConfig
 
-    cfg, _ = config_lib.load(args.config, args.override)
+    cfg, _ = config_lib.load(args.config, args.set)
     arch = hf.known_architecture(
         args.arch,
         dtype=cfg.model.dtype,

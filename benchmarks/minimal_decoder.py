@@ -1,5 +1,5 @@
 """A minimal JAX decoder of a Llama-architecture model, written only as a speed yardstick for
-`benchmarks/decode.py` (it shares no code with `bebop/model.py`).
+`benchmarks.decode` (it shares no code with `bebop/model.py`).
 
 The minimal decoder's design: Python-unrolled layers, each layer's weights separate arrays
 pre-transposed to `[in, out]`, a tuple of per-layer `[B, K, S, Dh]` caches written with

@@ -1,9 +1,9 @@
 """Where a sampler's loop spends its time: a `jax.profiler` trace of the compiled plain or
 speculative sampler, each executed op attributed to the phase of the loop that emitted it.
 
-    python benchmarks/phases.py --model demo --workdir runs/demo --batch 1 --gamma 2
-    python benchmarks/phases.py --model smollm2 [--mtp_ckpt DIR/mtp/ckpt] --batch 8 --gamma 3
-    python benchmarks/phases.py --model demo --gamma 0        # the plain sampler
+    python -m benchmarks.phases --model demo --run runs/demo --batches 1 --gammas 2
+    python -m benchmarks.phases --model smollm2 [--mtp_ckpt DIR/mtp/ckpt] --batches 8 --gammas 3
+    python -m benchmarks.phases --model demo --gammas 0        # the plain sampler
 
 How: the optimised HLO names every instruction and points it at its Python stack (the module's
 `StackFrames` table); the trace has one event per executed op (a thunk of XLA:CPU) under the
@@ -14,7 +14,8 @@ of its step (`model`: the forward; else the function that emitted the op); ops o
 op time and op count per phase, their shares, and the costliest ops. Tracing slows every op by
 a fixed amount, so phases made of many small ops look larger than they are; the untraced wall
 time per iteration is printed next to it. EOS is off (every row emits `--new_tokens`); the
-prompts are the task's (`benchmarks/rollout.py`'s).
+prompts are the task's (`benchmarks.common.load_models`). One cell: `--batches`, `--gammas` and
+`--temperatures` take one value each.
 Last line: one JSON object.
 """
 
@@ -26,20 +27,14 @@ import glob
 import gzip
 import json
 import re
-import sys
 import tempfile
 import time
-from pathlib import Path
 
 import jax
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-
-from rollout import load_models  # noqa: E402
-
-from bebop import config as config_lib  # noqa: E402
-from bebop import model, sampling, sharding, speculative  # noqa: E402
+from bebop import config as config_lib
+from bebop import model, sampling, sharding, speculative
+from benchmarks.common import load_models
 
 SPEC_PHASES = ("_catch_up", "_draft", "_verify", "accept", "_emit", "_roll_back")
 CONTAINERS = ("while", "call", "conditional")
@@ -130,19 +125,33 @@ def trace_events(fn, runs: int) -> list[dict]:
 def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--model", choices=["demo", "smollm2"], default="demo")
-    ap.add_argument("--workdir", default="runs/demo")
+    ap.add_argument("--run", "--workdir", default="runs/demo", help="--model demo: a finished run")
     ap.add_argument("--mtp_ckpt", default="")
     ap.add_argument("--config", default="configs/rl_smollm2.py")
-    ap.add_argument("--batch", type=int, default=1)
-    ap.add_argument("--gamma", type=int, default=2, help="0: the plain sampler")
-    ap.add_argument("--temperature", type=float, default=0.7)
+    ap.add_argument("--batches", "--batch", dest="batch", type=int, default=1, help="one value")
+    ap.add_argument(
+        "--gammas",
+        "--gamma",
+        dest="gamma",
+        type=int,
+        default=2,
+        help="one value (0: the plain sampler)",
+    )
+    ap.add_argument(
+        "--temperatures",
+        "--temperature",
+        dest="temperature",
+        type=float,
+        default=0.7,
+        help="one value",
+    )
     ap.add_argument("--new_tokens", type=int, default=40)
-    ap.add_argument("--runs", type=int, default=5, help="traced (and timed) calls")
+    ap.add_argument("--repeats", "--runs", type=int, default=5, help="traced (and timed) calls")
     ap.add_argument("--prompts", choices=["task", "mixed"], default="task")
     ap.add_argument("--top", type=int, default=8, help="costliest ops listed")
     ap.add_argument("--phase", default="", help="list the costliest ops of this phase only")
     args = ap.parse_args()
-    args.num_prompts = args.batch  # one prompt a row (`rollout.load_models` reads it)
+    args.num_prompts = args.batch  # one prompt a row (`load_models` reads it)
 
     mesh = sharding.make_mesh(config_lib.MeshConfig(data=1), jax.devices()[:1])
     pol, mtp, vocab, tok, ids, _ = load_models(args, mesh)
@@ -165,15 +174,15 @@ def main():
     out = jax.block_until_ready(jitted(*call))
     iters = int(out.stats.verify_calls.max()) if args.gamma else args.new_tokens
     wall = float("inf")
-    for _ in range(args.runs):
+    for _ in range(args.repeats):
         t0 = time.perf_counter()
         jax.block_until_ready(jitted(*call))
         wall = min(wall, time.perf_counter() - t0)
     ops = op_stacks(jitted.lower(*call).compile().as_text())
 
-    per = args.runs * iters
+    per = args.repeats * iters
     time_by, count_by, op_time = collections.Counter(), collections.Counter(), collections.Counter()
-    for e in trace_events(lambda: jitted(*call), args.runs):
+    for e in trace_events(lambda: jitted(*call), args.repeats):
         if e["name"] in ops:
             phase = phase_of(ops[e["name"]], bool(args.gamma))
             time_by[phase] += e["dur"] / 1e3 / per

@@ -1,13 +1,13 @@
 """Rollout speed: plain sampler vs speculative (`target_only`, `rejection`) on the same prompts.
 
-    python benchmarks/rollout.py --model demo --workdir runs/demo          # a finished demo run
-    python benchmarks/rollout.py --model smollm2 [--mtp_ckpt runs/mtp_smollm2/mtp/ckpt]
+    python -m benchmarks.rollout --model demo --run runs/demo          # a finished demo run
+    python -m benchmarks.rollout --model smollm2 [--mtp_ckpt runs/mtp_smollm2/mtp/ckpt]
         [--config configs/rl_smollm2.py]   # the RL task's prompts (default: the MTP config's)
-    python benchmarks/rollout.py --model random --shape qwen3_8b --layers 4 --dtype bfloat16 \\
+    python -m benchmarks.rollout --model random --shape qwen3_8b --layers 4 --dtype bfloat16 \\
         --batches 1,8,64,256 --gammas 3 --costs_only --alphas 0.6,0.7,0.8,0.9
 
 `--dtype`: the policy's (and MTP's) compute dtype (default: the run's or config's own).
-`--model random`: a random-weight policy of a real shape (`benchmarks/shapes.py`) with a random
+`--model random`: a random-weight policy of a real shape (`benchmarks.shapes`) with a random
 MTP and prompts of random tokens, no EOS; a random MTP accepts almost nothing, so its measured
 speedups say little: `--costs_only` times only the loop costs (verify, draft, a cycle) per batch
 and reports the rollout speedup the cost model predicts at each stated per-position acceptance
@@ -17,8 +17,8 @@ set-up and EOS left out). Every row also carries that prediction (`predicted_at_
 Prompts: `--num_prompts` (default 16) held-out prompts of the RL task (`wordmath` for SmolLM2,
 arithmetic for the demo; `--prompts mixed` for chat requests), padded to one width; a batch of B
 rows cycles through them (B=1: 16 runs of one prompt), so acceptance is averaged over the set.
-Grid: batch sizes x γ x temperatures x rules (flags). Per cell: tokens/s, speedup over the plain
-sampler, accept length (tokens per target forward), per-position acceptance, and the
+Grid: `--batches` x `--gammas` x `--temperatures` x `--rules`. Per cell: tokens/s, speedup over
+the plain sampler, accept length (tokens per target forward), per-position acceptance, and the
 efficiency = measured speedup / predicted speedup, where the predicted speedup is the plain
 sampler's measured seconds per token over the speculative sampler's modelled seconds per token,
 each over its own run's tokens:
@@ -54,127 +54,18 @@ Last line: one JSON object.
 from __future__ import annotations
 
 import argparse
-import dataclasses
 import json
-import sys
 import time
-from pathlib import Path
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-sys.path.insert(0, str(Path(__file__).resolve().parent))
+from bebop import config as config_lib
+from bebop import model, sampling, sharding, spec_compacted, speculative
+from benchmarks.common import batches, cost_model, load_models, predicted_at, sampling_config
 
-from bebop import config as config_lib  # noqa: E402
-from bebop import model, prompts, sampling, sharding, spec_compacted, speculative  # noqa: E402
-from bebop import mtp as mtp_lib  # noqa: E402
-
-REPO = Path(__file__).resolve().parents[1]
 COST_ITERS = 16  # iterations of each verify/draft cost loop
-
-
-def with_dtype(cfg, dtype: str):
-    """`cfg` with the policy's compute dtype `dtype` ("" or None: unchanged)."""
-    if not dtype:
-        return cfg
-    return dataclasses.replace(cfg, model=dataclasses.replace(cfg.model, dtype=dtype))
-
-
-def predicted_at(alphas, gamma: int, costs: dict) -> dict:
-    """The rollout speedup the cost model predicts at each per-position acceptance α of
-    `alphas`: expected_tokens(α, γ) plain steps' worth of tokens per cycle, a plain step costing
-    one 1-token verify, a cycle one (γ+1)-token verify and γ draft steps (`costs`:
-    `spec_compacted.loop_costs`' seconds)."""
-    from bebop import compaction
-
-    cycle = costs[f"verify_{gamma + 1}"] + gamma * costs["draft"]
-    return {
-        f"{a:g}": compaction.expected_tokens(a, gamma) * costs["verify_1"] / cycle for a in alphas
-    }
-
-
-def load_models(args, mesh):
-    """(policy, mtp, draft vocabulary, tokenizer, prompt ids, mtp source)."""
-    if args.model == "demo":
-        wd = Path(args.workdir)
-        cfg = config_lib.from_dict(
-            config_lib.RunConfig, json.loads((wd / "config.json").read_text())
-        )
-        cfg = with_dtype(cfg, getattr(args, "dtype", ""))
-        from bebop import policies
-        from bebop.stages import mtp as mtp_train
-
-        policy = policies.load(cfg, wd, mesh)
-        pol_gd, pol_params, tok = policy.graphdef, policy.params, policy.tok
-        mtp = mtp_train.load_trained(cfg, wd, cfg.model, mesh)
-        vocab = mtp_train.load_draft_vocab(wd / "mtp", cfg.model.vocab_size)
-        ids = prompts.prompt_ids(cfg, tok, args.num_prompts, "bench", args.prompts)
-        return (pol_gd, pol_params), mtp, vocab, tok, ids, "trained (demo mtp stage)"
-    if args.model == "random":
-        import shapes
-
-        pcfg = shapes.model_config(args.shape, args.layers, args.dtype or "float32")
-        pol = shapes.random_params(pcfg)  # drawn on the device
-        mtp_gd, mtp_params = mtp_lib.init(pcfg, 1, seed=0)
-        ids = shapes.random_prompts(pcfg, args.num_prompts)
-        return pol, (mtp_gd, mtp_params), None, shapes.RandomTokenizer(), ids, "random init"
-    from bebop import policies
-
-    cfg, _ = config_lib.load(str(REPO / args.config))  # the task whose prompts are timed
-    cfg = with_dtype(cfg, args.dtype)
-    policy = policies.load(cfg, Path("."), mesh)
-    pol_gd, pol_params, tok, pol_cfg = policy.graphdef, policy.params, policy.tok, policy.cfg
-    mtp_gd, mtp_params = mtp_lib.init(pol_cfg, 1, seed=0)
-    source, vocab = "random init", None
-    if args.mtp_ckpt:  # DIR/mtp/ckpt; the draft vocabulary, if any, is DIR/mtp/draft_vocab.npy
-        mtp_gd, mtp_params, vocab = policies.load_mtp(cfg, Path(args.mtp_ckpt), pol_cfg, mesh)
-        source = args.mtp_ckpt
-    ids = prompts.prompt_ids(cfg, tok, args.num_prompts, "bench", args.prompts)
-    return (pol_gd, pol_params), (mtp_gd, mtp_params), vocab, tok, ids, source
-
-
-def sampling_config(tok, temperature: float, new_tokens: int) -> sampling.SamplingConfig:
-    """The benchmarks' sampling: `temperature`, `new_tokens` at most, the tokenizer's EOS/pad."""
-    return sampling.SamplingConfig(
-        temperature=temperature,
-        max_new_tokens=new_tokens,
-        eos_ids=tuple(tok.eos_ids),
-        pad_id=tok.pad_id,
-    )
-
-
-def batches(toks_NxP, lens_N, b):
-    """Batches of `b` rows cycling through the prompt set until every prompt ran once."""
-    n = toks_NxP.shape[0]
-    idx = np.arange(-(-n // b) * b) % n
-    return [(toks_NxP[idx[i : i + b]], lens_N[idx[i : i + b]]) for i in range(0, len(idx), b)]
-
-
-def cost_model(plain: dict, spec: dict, costs: dict, gamma: int) -> dict:
-    """The figures the module docstring defines, from one cell's timings. `plain`: seconds `t`,
-    set-up seconds `setup`, loop `steps`, `tokens`; `spec`: `t`, `setup`, `cycles`, `tokens`;
-    `costs`: `spec_compacted.loop_costs`' seconds per iteration (`verify_{W}`, `draft`)."""
-    t_step = (plain["t"] - plain["setup"]) / plain["steps"]
-    t_cycle = costs[f"verify_{gamma + 1}"] + gamma * costs["draft"]
-    modelled = spec["setup"] + spec["cycles"] * t_cycle
-    predicted = (plain["t"] / plain["tokens"]) / (modelled / spec["tokens"])
-    speedup = (spec["tokens"] / spec["t"]) / (plain["tokens"] / plain["t"])
-    loop_s = spec["t"] - spec["setup"]
-    return {
-        "speedup": speedup,
-        "predicted_speedup": predicted,
-        "efficiency": speedup / predicted,
-        "loop_efficiency": spec["cycles"] * t_cycle / loop_s,
-        "step_ms": 1e3 * t_step,
-        "cycle_ms": 1e3 * loop_s / spec["cycles"],
-        "model_cycle_ms": 1e3 * t_cycle,
-        "setup_share_spec": spec["setup"] / spec["t"],
-        "verify_cost": costs[f"verify_{gamma + 1}"] / t_step,
-        "verify_cost_vs_1": costs[f"verify_{gamma + 1}"] / costs["verify_1"],
-        "draft_cost": costs["draft"] / t_step,
-    }
 
 
 def one_pass(fn, parts):
@@ -238,12 +129,12 @@ def cost_rows(timers, batch: int, gammas, alphas, repeats: int) -> list[dict]:
 def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--model", choices=["demo", "smollm2", "random"], default="demo")
-    ap.add_argument("--shape", default="smollm2", help="--model random: benchmarks/shapes.py")
+    ap.add_argument("--shape", default="smollm2", help="--model random: benchmarks.shapes")
     ap.add_argument("--layers", type=int, default=0, help="--model random: first N layers (0: all)")
     ap.add_argument("--dtype", choices=["", "float32", "bfloat16"], default="")
     ap.add_argument("--costs_only", action="store_true", help="loop costs + predicted speedups")
     ap.add_argument("--alphas", default="0.6,0.7,0.8,0.9", help="acceptances for the prediction")
-    ap.add_argument("--workdir", default="runs/demo")
+    ap.add_argument("--run", "--workdir", default="runs/demo", help="--model demo: a finished run")
     ap.add_argument("--mtp_ckpt", default="")
     ap.add_argument(
         "--config",
@@ -252,7 +143,7 @@ def main():
     )
     ap.add_argument("--batches", default="1,8,32")
     ap.add_argument("--gammas", default="1,2,3,4")
-    ap.add_argument("--temps", default="0.7,1.0")
+    ap.add_argument("--temperatures", "--temps", default="0.7,1.0")
     ap.add_argument("--rules", default="target_only,rejection")
     ap.add_argument("--new_tokens", type=int, default=48)
     ap.add_argument("--repeats", type=int, default=3)
@@ -263,7 +154,7 @@ def main():
         raise SystemExit(f"--repeats: want at least 1 round, got {args.repeats}")
     args.batches = [int(x) for x in args.batches.split(",")]
     gammas = [int(x) for x in args.gammas.split(",")]
-    temps = [float(x) for x in args.temps.split(",")]
+    temps = [float(x) for x in args.temperatures.split(",")]
     rules = args.rules.split(",")
     alphas = [float(x) for x in args.alphas.split(",")]
 

@@ -3,13 +3,13 @@ needed), and the bytes a decode step reads.
 
     cfg = model_config("qwen3_8b", layers=4, dtype="bfloat16")
     graphdef, params = random_params(cfg)        # on the device
-    arrays = hf_arrays(params)                   # HF-named, for benchmarks/minimal_decoder.py
+    arrays = hf_arrays(params)                   # HF-named, for benchmarks.minimal_decoder
     step = decode_step_bytes(layers, cfg, batch=8, context=96)
 
 Shapes (`SHAPES`): SmolLM2-135M's (30 layers, width 576, MLP 1536, 9 query / 3 KV heads of 64,
 vocabulary 49152, tied head); Qwen3-8B's widths (4096, MLP 12288, 32 / 8 heads of 128,
 vocabulary 151936, separate head; its 36 layers, or the first `layers` of them) as a
-Llama-architecture model (no q/k norms: `benchmarks/minimal_decoder.py` decodes the same
+Llama-architecture model (no q/k norms: `benchmarks.minimal_decoder` decodes the same
 weights); `tiny`, for dry runs on a CPU. Weights (N(0, 0.02²), norm scales 1) are drawn on the
 device: the same bytes move through the same kernels as a trained model's (outputs are noise).
 """
@@ -17,14 +17,10 @@ device: the same bytes move through the same kernels as a trained model's (outpu
 from __future__ import annotations
 
 import dataclasses
-import sys
-from pathlib import Path
 
 import numpy as np
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-
-from bebop.config import ModelConfig  # noqa: E402
+from bebop.config import ModelConfig
 
 SHAPES = {
     "smollm2": dict(

@@ -1,19 +1,20 @@
 """Tail-aware rollouts: wall time of one RL-shaped rollout, static vs compacted batches.
 
-    python benchmarks/tail.py --model demo --workdir runs/demo_base          # B=64 demo prompts
-    python benchmarks/tail.py --model smollm2 --batch 16 --new_tokens 256 [--mtp_ckpt DIR]
-    python benchmarks/tail.py --model demo --workdir runs/demo --batch 128 --group 8 --gamma 2
+    python -m benchmarks.tail --model demo --run runs/demo_base          # B=64 demo prompts
+    python -m benchmarks.tail --model smollm2 --batches 16 --new_tokens 256 [--mtp_ckpt DIR]
+    python -m benchmarks.tail --model demo --run runs/demo --batches 128 --group 8 --gammas 2
 
-One batch of `--batch` rows (the RL task's held-out prompts, each once; the demo's rollout
+One batch of `--batches` rows (the RL task's held-out prompts, each once; the demo's rollout
 temperature and token budget unless given), sampled with the real response-length
 distribution, four ways: the static plain loop (every row runs until the longest ends),
 compacted plain (`sampling.sample_compacted`: half the rows each time the live rows fall to
-half), the static speculative loop at `--gamma`, and compacted speculative with a γ per bucket
+half), the static speculative loop at `--gammas`, and compacted speculative with a γ per bucket
 (`--draft_table`, e.g. "64:0,16:2"; `auto`: `compaction.draft_table` from the verify / draft
 costs `spec_compacted.loop_costs` measures at each bucket size and the static speculative run's
 per-position acceptance). `--group G`: an RL batch's layout, batch / G prompts each over G rows,
 prefilled once per group (both samplers); the static loops are also timed with a prefill per
 row. Wall time: best of `--repeats` after a warm-up call that compiles.
+One cell: `--batches`, `--temperatures`, `--rules` and `--gammas` take one value each.
 Prints each variant's time and its ratio to the static plain loop; last line: one JSON object.
 """
 
@@ -22,18 +23,15 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import json
-import sys
 import time
 from pathlib import Path
 
 import jax
 import numpy as np
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-
-from bebop import compaction, model, sampling, sharding, spec_compacted, speculative  # noqa: E402
-from bebop import config as config_lib  # noqa: E402
-from benchmarks.rollout import load_models  # noqa: E402
+from bebop import compaction, model, sampling, sharding, spec_compacted, speculative
+from bebop import config as config_lib
+from benchmarks.common import load_models
 
 
 def best_time(fn, repeats: int):
@@ -53,16 +51,25 @@ def parse_table(text: str) -> tuple[tuple[int, int], ...]:
 def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--model", choices=["demo", "smollm2"], default="demo")
-    ap.add_argument("--workdir", default="runs/demo_base")
+    ap.add_argument(
+        "--run", "--workdir", default="runs/demo_base", help="--model demo: a finished run"
+    )
     ap.add_argument("--mtp_ckpt", default="")
     ap.add_argument(
         "--config", default="configs/rl_smollm2.py", help="smollm2: the config of the task"
     )
-    ap.add_argument("--batch", type=int, default=64)
+    ap.add_argument("--batches", "--batch", dest="batch", type=int, default=64, help="one value")
     ap.add_argument("--new_tokens", type=int, default=0, help="0: the run's rollout budget")
-    ap.add_argument("--temperature", type=float, default=-1.0, help="<0: the run's")
-    ap.add_argument("--rule", default="rejection")
-    ap.add_argument("--gamma", type=int, default=3)
+    ap.add_argument(
+        "--temperatures",
+        "--temperature",
+        dest="temperature",
+        type=float,
+        default=-1.0,
+        help="one value (<0: the run's)",
+    )
+    ap.add_argument("--rules", "--rule", dest="rule", default="rejection", help="one rule")
+    ap.add_argument("--gammas", "--gamma", dest="gamma", type=int, default=3, help="one value")
     ap.add_argument("--draft_table", default="auto")
     ap.add_argument("--min_bucket", type=int, default=8)
     ap.add_argument("--repeats", type=int, default=3)
@@ -76,14 +83,14 @@ def main():
     )
     args = ap.parse_args()
     if args.group < 1 or args.batch % args.group:
-        ap.error(f"--group {args.group} must divide --batch {args.batch}")
+        ap.error(f"--group {args.group} must divide --batches {args.batch}")
     args.num_prompts = args.batch // args.group
 
     mesh = sharding.make_mesh(config_lib.MeshConfig(data=1), jax.devices()[:1])
     pol, mtp, vocab, tok, ids, mtp_source = load_models(args, mesh)
     rollout = config_lib.RolloutConfig()
     if args.model == "demo":
-        run_cfg = json.loads((Path(args.workdir) / "config.json").read_text())
+        run_cfg = json.loads((Path(args.run) / "config.json").read_text())
         rollout = config_lib.from_dict(config_lib.RolloutConfig, run_cfg["rollout"], "rollout.")
     scfg = sampling.SamplingConfig(
         temperature=rollout.temperature if args.temperature < 0 else args.temperature,

@@ -7,7 +7,7 @@ the MTP with the end-to-end TV loss after a KL warm-up, its head on a 8192-token
 vocabulary, the frozen target's hiddens and log-normalisers cached, held-out evaluation on the
 task and on mixed chat every `eval_every` steps, and early stopping on the task's RS accept
 length. The trained MTP lands in DIR/mtp/ckpt (+ draft_vocab.npy), which `configs/rl_smollm2.py`
-and `benchmarks/rollout.py --model smollm2 --mtp_ckpt DIR/mtp/ckpt` use.
+and `python -m benchmarks.rollout --model smollm2 --mtp_ckpt DIR/mtp/ckpt` use.
 
     python launch.py --config configs/mtp_smollm2.py --workdir runs/mtp_smollm2
     python launch.py --config configs/mtp_smollm2.py:runlocal   # seconds-scale smoke run

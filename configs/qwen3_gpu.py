@@ -23,7 +23,7 @@ def get_config(arg=None):
     c.rollout.update(max_new_tokens=1024, num_draft=3)
     c.distill.update(num_samples=8192, batch_size=256)
     c.mtp.update(steps=2000, batch_size=64, chunk=16384)
-    # Sized by `python benchmarks/memory.py --config configs/qwen3_gpu.py --arch qwen3-8b`
+    # Sized by `python -m benchmarks.memory --config configs/qwen3_gpu.py --arch qwen3-8b`
     # (docs/distributed.md has the table) for 8 x 80 GB, every program <= 72 GB per GPU:
     #  - 16 prompts x 16 = 256 rows per step (was 64 x 16): a sampler's KV cache of 1,152 slots
     #    costs ~0.5 GB per row per GPU at 8B (compiled), beside a 15 GB decode copy on each GPU;

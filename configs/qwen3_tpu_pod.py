@@ -24,7 +24,7 @@ def get_config(arg=None):
     c.rollout.update(max_new_tokens=2048, num_draft=3)
     c.distill.update(num_samples=32768, batch_size=1024)
     c.mtp.update(steps=4000, batch_size=256, chunk=16384)
-    # Sized by `python benchmarks/memory.py --config configs/qwen3_tpu_pod.py --arch qwen3-8b`
+    # Sized by `python -m benchmarks.memory --config configs/qwen3_tpu_pod.py --arch qwen3-8b`
     # for a v5p-128 slice (64 chips of 95 GB), every program <= 85 GB per chip:
     #  - 128 prompts x 16 = 2,048 rows per step (was 256 x 16): 32 rows a chip of 2,176 cache
     #    slots (~1 GB a row compiled) beside the 15 GB decode copy; 64 rows a chip did not fit;

@@ -27,7 +27,7 @@ def get_config(arg=None):
     # Tail-aware rollouts with the draft table derived from measured costs: one RL batch (32
     # rows, T = 0.7, 128 tokens) ran 1.11x as fast as compacted plain decoding and 1.37x as fast
     # as the static plain loop, where the static speculative loop ran at 0.73x
-    # (`benchmarks/tail.py --model smollm2 --batch 32`, docs/performance.md). On several
+    # (`python -m benchmarks.tail --model smollm2 --batches 32`, docs/performance.md). On several
     # processes give
     # `rollout.draft_table` explicitly (each process would time its own costs).
     c.rollout.compact = True

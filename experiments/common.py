@@ -20,11 +20,9 @@ from pathlib import Path
 
 import numpy as np
 
-REPO = Path(__file__).resolve().parents[1]
-if str(REPO) not in sys.path:
-    sys.path.insert(0, str(REPO))
+from bebop import plots
 
-from bebop import plots  # noqa: E402
+REPO = Path(__file__).resolve().parents[1]
 
 
 def launch(config: str, workdir: Path, overrides=()) -> dict:
@@ -265,10 +263,10 @@ MODELS = {
 
 def study2_arms(names, base: Path, root: Path, args=None) -> dict[str, ArmResult]:
     """The arms `names` from `base` in `root`; `args` (`study2_parser`'s): the model's config
-    (`:runlocal` with `--runlocal`) and overrides, then `--extra`."""
+    (`:runlocal` with `--runlocal`) and overrides, then `--set`."""
     m = MODELS[getattr(args, "model", "demo")]
     config = m.config + (":runlocal" if getattr(args, "runlocal", False) else "")
-    extra = (*m.extra, *getattr(args, "extra", ()))
+    extra = (*m.extra, *getattr(args, "set", ()))
     return {n: run_arm(STUDY2_ARMS[n], base, root, config, extra) for n in names}
 
 
@@ -278,11 +276,13 @@ def study2_parser(root: str) -> argparse.ArgumentParser:
     ap = argparse.ArgumentParser()
     ap.add_argument("--model", choices=sorted(MODELS), default="demo")
     ap.add_argument("--base", default=None, help="a finished base run (default: the model's)")
-    ap.add_argument("--workdir", default=None, help=f"where the arms' runs land (demo: {root})")
+    ap.add_argument(
+        "--out", "--workdir", default=None, help=f"where the arms' runs land (demo: {root})"
+    )
     ap.add_argument("--window", type=int, default=10, help="steps per window / running mean")
     ap.add_argument("--runlocal", action="store_true", help="the configs' :runlocal smoke settings")
     ap.add_argument(
-        "--extra", action="append", default=[], help="an override for every arm (repeatable)"
+        "--set", "--extra", action="append", default=[], help="KEY=VALUE for every arm (repeatable)"
     )
     return ap
 
@@ -293,7 +293,7 @@ def study2_base(args, root_attr: str) -> tuple[Path, Path]:
     m = MODELS[args.model]
     local = ":runlocal" if args.runlocal else ""
     base = base_run(Path(args.base or m.base), m.base_config + local, m.base_stages)
-    return base, Path(args.workdir or getattr(m, root_attr))
+    return base, Path(args.out or getattr(m, root_attr))
 
 
 def report(

@@ -1,17 +1,12 @@
-"""The profiling helpers of `benchmarks/phases.py` (op -> Python stack -> loop phase) and the
-cost model of `benchmarks/rollout.py`."""
+"""The profiling helpers of `benchmarks.phases` (op -> Python stack -> loop phase) and the
+rollout cost model (`benchmarks.common.cost_model`, defined in `benchmarks.rollout`)."""
 
 import re
-import sys
-from pathlib import Path
 
 import jax
 import jax.numpy as jnp
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
-
-import phases  # noqa: E402
-import rollout  # noqa: E402
+from benchmarks import common, phases
 
 
 def _verify(x, w):
@@ -55,15 +50,15 @@ def test_opcode_reads_tuple_typed_instructions():
 
 
 def test_rollout_cost_model_charges_the_speculative_set_up_and_not_the_plain_one():
-    """`benchmarks/rollout.py`'s figures on hand-made timings. Plain: 10 s, 1 s of it set-up,
-    90 steps -> a 0.1 s step. Speculative: 8 s, 1.6 s set-up, 30 cycles of a 0.15 s verify + 2
-    drafts of 0.025 s (0.2 s) -> modelled 1.6 + 6 = 7.6 s; 900 tokens each. So the speedup is
-    10 / 8 = 1.25, the prediction 10 / 7.6, the efficiency 7.6 / 8 = 0.95 and the cycles alone
-    6 / 6.4 = 0.9375 of their model (0.95 = 0.2 + 0.8 x 0.9375: set-up share 0.2)."""
+    """`benchmarks.rollout`'s figures (`common.cost_model`) on hand-made timings. Plain: 10 s,
+    1 s of it set-up, 90 steps -> a 0.1 s step. Speculative: 8 s, 1.6 s set-up, 30 cycles of a
+    0.15 s verify + 2 drafts of 0.025 s (0.2 s) -> modelled 1.6 + 6 = 7.6 s; 900 tokens each. So
+    the speedup is 10 / 8 = 1.25, the prediction 10 / 7.6, the efficiency 7.6 / 8 = 0.95 and the
+    cycles alone 6 / 6.4 = 0.9375 of their model (0.95 = 0.2 + 0.8 x 0.9375: set-up share 0.2)."""
     plain = dict(t=10.0, setup=1.0, steps=90, tokens=900)
     spec = dict(t=8.0, setup=1.6, cycles=30, tokens=900)
     costs = {"verify_1": 0.1, "verify_3": 0.15, "draft": 0.025}
-    got = rollout.cost_model(plain, spec, costs, gamma=2)
+    got = common.cost_model(plain, spec, costs, gamma=2)
     want = {
         "speedup": 1.25,
         "predicted_speedup": 10 / 7.6,

@@ -158,7 +158,7 @@ def test_projection_cli_labels_itself(capsys):
 
 
 def test_rollout_stats_record_the_length_histogram():
-    """What `experiments/e2e_speedup/predict.py` reads the lengths of each step's batch from."""
+    """What `experiments.e2e_speedup.predict` reads the lengths of each step's batch from."""
     from types import SimpleNamespace
 
     from bebop.rl import records
@@ -194,7 +194,7 @@ def test_a_new_draft_table_compiles_its_programs_once():
 
 
 def test_predict_reads_each_step_of_an_arm_from_its_records():
-    """`experiments/e2e_speedup/predict.py`: steps 2.. of an arm's records (step 1 compiles),
+    """`experiments.e2e_speedup.predict`: steps 2.. of an arm's records (step 1 compiles),
     each with its batch's lengths, its acceptance and the draft table derived after the
     previous rollout; the host overhead is the step time minus the learner's wait and update."""
     from experiments.e2e_speedup.predict import arm_steps

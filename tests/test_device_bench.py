@@ -1,26 +1,19 @@
-"""The GPU check's benchmark pieces: random-weight models at real shapes (`benchmarks/shapes.py`),
-the decode bound's bytes (`benchmarks/decode.py`), `benchmarks/rollout.py --dtype` and its
+"""The GPU check's benchmark pieces: random-weight models at real shapes (`benchmarks.shapes`),
+the decode bound's bytes (`benchmarks.decode`), `benchmarks.rollout --dtype` and its
 predicted speedups at stated acceptances."""
 
 import argparse
 import dataclasses
-import sys
-from pathlib import Path
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
-
-import decode  # noqa: E402
-import rollout  # noqa: E402
-import shapes  # noqa: E402
-
-from bebop import model, sharding  # noqa: E402
-from bebop.checkpoints import hf as hf_ckpt  # noqa: E402
-from bebop.config import MeshConfig, ModelConfig  # noqa: E402
+from bebop import model, sharding
+from bebop.checkpoints import hf as hf_ckpt
+from bebop.config import MeshConfig, ModelConfig
+from benchmarks import common, decode, shapes
 
 
 def _cfg(dtype):
@@ -85,9 +78,8 @@ def test_minimal_decoder_decodes_the_random_model_as_bebop_does():
     """float32, greedy, 6 new tokens at batch 2 on the same random weights: the minimal decoder
     (its own code) and bebop's sampler emit the same tokens, so the yardstick reads the same
     weights in the same layout."""
-    import minimal_decoder
-
     from bebop import sampling
+    from benchmarks import minimal_decoder
 
     cfg = dataclasses.replace(shapes.model_config("tiny", dtype="float32"), init_std=0.02)
     gd, params = shapes.random_params(cfg, seed=1, std=0.2)  # std 0.2: clear argmax margins
@@ -105,21 +97,21 @@ def test_rollout_dtype_sets_the_policy_compute_dtype():
         model="random", shape="tiny", layers=1, dtype="bfloat16", num_prompts=3, mtp_ckpt=""
     )
     mesh = sharding.make_mesh(MeshConfig(data=1), jax.devices()[:1])
-    pol, mtp, vocab, tok, ids, _ = rollout.load_models(args, mesh)
+    pol, mtp, vocab, tok, ids, _ = common.load_models(args, mesh)
     assert model.graphdef_config(*pol).dtype == "bfloat16"
     assert {x.dtype for x in jax.tree.leaves(model.decode_layers(*pol))} == {jnp.dtype("bfloat16")}
     assert len(ids) == 3 and vocab is None and tok.eos_ids == (-1,)
     cfg = argparse.Namespace(model=_cfg("float32"))
     run_cfg = dataclasses.make_dataclass("R", [("model", ModelConfig)])(_cfg("float32"))
-    assert rollout.with_dtype(run_cfg, "bfloat16").model.dtype == "bfloat16"
-    assert rollout.with_dtype(cfg, "") is cfg
+    assert common.with_dtype(run_cfg, "bfloat16").model.dtype == "bfloat16"
+    assert common.with_dtype(cfg, "") is cfg
 
 
 def test_predicted_speedup_at_a_stated_acceptance():
     """γ = 2, α = 0.5: 1 + 0.5 + 0.25 = 1.75 tokens per cycle; a cycle is a 3-token verify (0.15
     s) and two drafts (0.025 s each) = 0.2 s against a 0.1 s plain step: 1.75 x 0.1 / 0.2."""
     costs = {"verify_1": 0.1, "verify_3": 0.15, "draft": 0.025}
-    got = rollout.predicted_at([0.5, 1.0], 2, costs)
+    got = common.predicted_at([0.5, 1.0], 2, costs)
     assert got["0.5"] == pytest.approx(0.875)
     assert got["1"] == pytest.approx(3 * 0.1 / 0.2)
 
@@ -129,7 +121,7 @@ def test_device_summary_reports_cut_skipped_and_silent_steps(tmp_path):
     skipped step and a step without a JSON line are errors; a finished one is not."""
     import json
 
-    import device_summary
+    from benchmarks import device_summary
 
     (tmp_path / "decode_a.json").write_text(
         json.dumps({"model": "m", "bebop_tok_s_b1": 5.0, "bebop_tok_s_b1_greedy": 5.0})

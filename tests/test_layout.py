@@ -2,7 +2,9 @@
 `launch.py` -> `bebop.stages.pipeline` -> the stages (`bebop.stages.*`) -> RL machinery
 (`bebop.rl.*`) -> the core library (every other `bebop` module). No stage imports another stage,
 nothing below the stages imports one, the core library imports no RL machinery, and the import
-graph of `bebop` has no cycle."""
+graph of `bebop` has no cycle. The scripts (`benchmarks/`, `experiments/`) run as modules from the
+repository root: none touches `sys.path`, they import each other as packages, and no benchmark
+imports another."""
 
 import ast
 
@@ -105,3 +107,73 @@ def test_launch_reaches_the_stages_through_the_pipeline_only():
     graph = import_graph()
     assert "bebop.stages.pipeline" in graph["launch"]
     assert not graph["launch"] & STAGES, sorted(graph["launch"] & STAGES)
+
+
+# ----------------------------------------------------------------------------- the scripts
+
+SCRIPT_DIRS = ("benchmarks", "experiments")
+
+
+def _script_files():
+    return [p for d in SCRIPT_DIRS for p in sorted((REPO / d).rglob("*.py"))]
+
+
+def _is_script(path) -> bool:
+    """A module with a `__main__` guard: a benchmark or a study's script."""
+    return 'if __name__ == "__main__":' in path.read_text()
+
+
+def _imported(path) -> set[str]:
+    """The absolute module names `path` imports; `from pkg import x` counts as `pkg.x` when `x`
+    is a module of the repository."""
+    names = set()
+    for node in ast.walk(ast.parse(path.read_text())):
+        if isinstance(node, ast.Import):
+            names |= {a.name for a in node.names}
+        elif isinstance(node, ast.ImportFrom) and not node.level and node.module:
+            for a in node.names:
+                full = f"{node.module}.{a.name}"
+                names.add(full if _exists(full) else node.module)
+    return names
+
+
+def test_no_script_touches_sys_path():
+    """Benchmarks and experiments run as modules from the repository root (`python -m
+    benchmarks.rollout`) and import each other as packages: none reads or edits `sys.path`."""
+    bad = [
+        f"{path.relative_to(REPO)}:{node.lineno}"
+        for path in _script_files()
+        for node in ast.walk(ast.parse(path.read_text()))
+        if isinstance(node, ast.Attribute)
+        and node.attr == "path"
+        and isinstance(node.value, ast.Name)
+        and node.value.id == "sys"
+    ]
+    assert not bad, bad
+
+
+def test_scripts_import_each_other_as_packages():
+    """No flat import of a sibling file (`import shapes`: it only resolves with the script's own
+    folder on `sys.path`)."""
+    flat = {p.stem for p in _script_files()} - {"__init__"}
+    bad = [
+        f"{path.relative_to(REPO)}: import {name}"
+        for path in _script_files()
+        for name in sorted(_imported(path))
+        if name.split(".")[0] in flat
+    ]
+    assert not bad, bad
+
+
+def test_no_benchmark_imports_another():
+    """What several benchmarks share is in modules without a `__main__` guard
+    (`benchmarks.common`, `benchmarks.shapes`, ...); no benchmark imports a benchmark."""
+    benchmarks = {_module(p) for p in (REPO / "benchmarks").glob("*.py") if _is_script(p)}
+    assert {"benchmarks.rollout", "benchmarks.tail", "benchmarks.phases"} <= benchmarks
+    bad = [
+        f"{_module(path)} -> {dep}"
+        for path in sorted((REPO / "benchmarks").glob("*.py"))
+        for dep in sorted(_imported(path) & benchmarks)
+        if dep != _module(path)
+    ]
+    assert not bad, bad

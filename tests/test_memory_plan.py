@@ -1,8 +1,6 @@
-"""`benchmarks/memory.py` at toy shapes on 8 fake CPU devices: its analytic estimates agree with
+"""`benchmarks.memory` at toy shapes on 8 fake CPU devices: its analytic estimates agree with
 XLA's compiled figures, its resident state is what the arrays hold, the linear extrapolation in
 depth holds, and the architecture tables build the published Qwen3 models."""
-
-import sys
 
 import jax
 import numpy as np
@@ -12,11 +10,9 @@ from bebop import config as config_lib
 from bebop import model, sharding
 from bebop.checkpoints import hf
 from bebop.config import MeshConfig, ModelConfig
+from benchmarks import memory
 
 from .conftest import REPO
-
-sys.path.insert(0, str(REPO / "benchmarks"))
-import memory  # noqa: E402
 
 # float32: XLA:CPU writes a bfloat16 KV cache through a float32 scatter, which the estimate
 # (an accelerator's layout) leaves out.

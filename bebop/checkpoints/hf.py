@@ -86,7 +86,7 @@ def config_from_hf(
 
 
 # Architectures known without a checkpoint (`arch/NAME.json`: the fields of the model's published
-# `config.json`), for memory plans and compile checks at real shapes (`benchmarks/memory.py`).
+# `config.json`), for memory plans and compile checks at real shapes (`benchmarks.memory`).
 ARCH_DIR = Path(__file__).resolve().parent / "arch"
 
 

@@ -5,7 +5,7 @@ the GRPO step at its peak -- what the backward keeps per layer under `model.rema
 block being recomputed and differentiated, the attention scores by `model.attention`, and the
 log-prob / entropy / KL arrays by `rl.logit_chunk` --, and `auto_microbatch` picks the largest
 number of rows per gradient-accumulation chunk whose rows per device fit `rl.memory_budget_gb`.
-An estimate, not a measurement: `benchmarks/memory.py` compiles the step and reads XLA's figure.
+An estimate, not a measurement: `benchmarks.memory` compiles the step and reads XLA's figure.
 Against `memory_analysis()` of the compiled gradient of `grpo.policy_loss` on XLA:CPU
 (2026-12-04; D=256, 4 layers, H=4, K=2, Dh=64, F=768, V=4096, 4 rows x 257 tokens): within 10 %
 with the accelerator configs' knobs (bfloat16, block remat, chunked attention and log-probs) and

@@ -1,8 +1,12 @@
-"""The cost model's prediction of each measured arm of `run.py` (`bebop/costs.py`).
+"""The cost model's prediction of each measured arm of `experiments.e2e_speedup.run`
+(`bebop/costs.py`).
 
-    python experiments/e2e_speedup/predict.py --base runs/demo --workdir runs/exp_rl_speed
-    python experiments/e2e_speedup/predict.py --model smollm2 --base runs/mtp_smollm2 \\
-        --workdir runs/exp_rl_speed_smollm2
+    python -m experiments.e2e_speedup.predict --base runs/demo --out runs/exp_rl_speed
+    python -m experiments.e2e_speedup.predict --model smollm2 --base runs/mtp_smollm2 \\
+        --out runs/exp_rl_speed_smollm2
+
+`--out`: the study's output folder (`experiments.e2e_speedup.run --out`), whose arms it reads;
+the prediction goes to the results file (`--results`).
 
 Measured here, on the base run's models, with nothing else running (`measure`):
   * per bucket size b of the RL batch (b = B, B/2, ... down to `rollout.min_bucket`) the real
@@ -47,9 +51,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
-
-from bebop import (  # noqa: E402
+from bebop import (
     compaction,
     costs,
     model,
@@ -60,12 +62,12 @@ from bebop import (  # noqa: E402
     speculative,
     tasks,
 )
-from bebop import config as config_lib  # noqa: E402
-from bebop.rl import learner, loop  # noqa: E402
+from bebop import config as config_lib
+from bebop.rl import learner, loop
 from bebop.rl import rollouts as rl_rollouts
-from bebop.train import TrainState, make_optimizer  # noqa: E402
-from benchmarks.rollout import load_models  # noqa: E402
-from experiments import common  # noqa: E402
+from bebop.train import TrainState, make_optimizer
+from benchmarks.common import load_models
+from experiments import common
 
 HERE = Path(__file__).resolve().parent
 
@@ -97,13 +99,13 @@ class Setup:
 
 
 def load(base: Path, model_name: str, config: str) -> Setup:
-    """The base run's policy and MTP (`benchmarks.rollout.load_models`) and the RL batch's
+    """The base run's policy and MTP (`benchmarks.common.load_models`) and the RL batch's
     prompts (`rl.rollouts.Rollouts`: batch 0, padded to the run's width)."""
     mesh = sharding.make_mesh(config_lib.MeshConfig(data=1), jax.devices()[:1])
     cfg = config_lib.load(str(common.REPO / config))[0]
     ns = argparse.Namespace(
         model=model_name,
-        workdir=str(base),
+        run=str(base),
         config=config,
         mtp_ckpt=str(base / "mtp" / "ckpt"),
         num_prompts=1,
@@ -335,7 +337,7 @@ def main(argv=None):
     ap.add_argument("--model", choices=sorted(common.MODELS), default="demo")
     ap.add_argument("--runlocal", action="store_true", help="the models' :runlocal configs")
     ap.add_argument("--base", default=None)
-    ap.add_argument("--workdir", default=None, help="where run.py's arms are")
+    ap.add_argument("--out", "--workdir", default=None, help="the study's --out (its arms)")
     ap.add_argument("--arms", default="", help="comma-separated (default: every finished arm)")
     ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--sims", type=int, default=64, help="simulated batches per step")
@@ -344,13 +346,13 @@ def main(argv=None):
     args = ap.parse_args(argv)
     m = common.MODELS[args.model]
     base = Path(args.base or m.base).absolute()
-    root = Path(args.workdir or m.timed_root).absolute()
+    root = Path(args.out or m.timed_root).absolute()
     config = m.config + (":runlocal" if args.runlocal else "")
     names = [a for a in args.arms.split(",") if a] or sorted(
         p.parent.parent.name for p in root.glob("*/rl/summary.json")
     )
     if not names:
-        raise SystemExit(f"--workdir {root}: no finished arm (*/rl/summary.json)")
+        raise SystemExit(f"--out {root}: no finished arm (*/rl/summary.json)")
     t0 = time.perf_counter()
     measured = measure(base, "demo" if args.model == "demo" else "smollm2", config, args.repeats)
     arms = {n: predict_arm(root / n, measured, args.sims) for n in names}
@@ -373,7 +375,7 @@ def main(argv=None):
         )
     res["prediction"] = {
         "model": "bebop/costs.py (module docstring); inputs: predict.py's docstring",
-        "command": " ".join(["python", "experiments/e2e_speedup/predict.py", *argv]),
+        "command": " ".join(["python", "-m", "experiments.e2e_speedup.predict", *argv]),
         "date": time.strftime("%Y-%m-%d", time.gmtime()),
         "measured_inputs": measured,
         "arms": arms,

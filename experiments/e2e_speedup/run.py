@@ -19,8 +19,8 @@ tokens costs max(1, N / 295) reads of the weights (bandwidth-bound below the rid
 bytes a decode step reads. The projected end-to-end figure puts that rollout speedup into the
 synchronous plain run's measured split of step time (Amdahl).
 
-    python experiments/e2e_speedup/run.py --base runs/demo [--predict]
-    python experiments/e2e_speedup/run.py --model smollm2 --base runs/mtp_smollm2 [--sync] \
+    python -m experiments.e2e_speedup.run --base runs/demo [--predict]
+    python -m experiments.e2e_speedup.run --model smollm2 --base runs/mtp_smollm2 [--sync] \
         [--predict]
 
 `--model smollm2`: the RL task of `configs/rl_smollm2.py` (40 GRPO steps of 4 prompts x 8,
@@ -32,12 +32,13 @@ each arm finishes; a later launch reuses finished arms, so the study can run in 
 without step 1 and its split (rollout, learner, reward, wait, evaluation), the rollout share of
 the plain step, accept length and per-position acceptance per step, the greedy accuracy curve;
 ratios between arms; `reward_accuracy_smollm2.png`: reward and accuracy vs step and vs
-wall-clock, all arms. `--predict`: then `predict.py` (the cost model's prediction of every
-arm, beside its measurement). `--runlocal` / `--extra KEY=VALUE`: smoke settings.
+wall-clock, all arms. `--predict`: then `experiments.e2e_speedup.predict` (the cost model's
+prediction of every arm, beside its measurement). `--runlocal` / `--set KEY=VALUE`: smoke
+settings.
 
-Arms land in `runs/exp_rl_speed/<arm>/` (shared with `experiments/growmtp`; run both on an
-otherwise idle machine, one after the other: their wall times are compared); figures and
-`results.json` next to this file. Last line: one JSON object.
+Arms land in `OUT/<arm>/` (`--out OUT`; default `runs/exp_rl_speed`, shared with
+`experiments.growmtp`; run both on an otherwise idle machine, one after the other: their wall
+times are compared); figures and `results.json` next to this file. Last line: one JSON object.
 """
 
 from __future__ import annotations
@@ -45,7 +46,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import sys
 import time
 from pathlib import Path
 
@@ -53,9 +53,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
-
-from bebop import (  # noqa: E402
+from bebop import (
     compaction,
     model,
     plots,
@@ -63,9 +61,9 @@ from bebop import (  # noqa: E402
     sharding,
     spec_compacted,
 )
-from bebop import config as config_lib  # noqa: E402
-from benchmarks.rollout import load_models  # noqa: E402
-from experiments import common  # noqa: E402
+from bebop import config as config_lib
+from benchmarks.common import load_models
+from experiments import common
 
 HERE = Path(__file__).resolve().parent
 ARMS = ("plain_sync", "frozen_rs_sync", "plain", "frozen_rs", "plain_compact", "frozen_rs_compact")
@@ -293,7 +291,7 @@ def run_arms(names, base: Path, root: Path, args) -> dict[str, common.ArmResult]
 def main():
     ap = common.study2_parser(common.TIMED_ROOT)
     ap.add_argument("--sync", action="store_true", help="smollm2: also the synchronous twins")
-    ap.add_argument("--predict", action="store_true", help="then predict.py on the arms")
+    ap.add_argument("--predict", action="store_true", help="then predict on the arms")
     args = ap.parse_args()
     t0 = time.perf_counter()
     base, root = common.study2_base(args, "timed_root")
@@ -364,10 +362,11 @@ def main():
 
 
 def predict_tail(args, base: Path, root: Path) -> None:
-    """`predict.py` on the arms just run (it updates the results file and prints its JSON)."""
+    """`experiments.e2e_speedup.predict` on the arms just run (it updates the results file and
+    prints its JSON)."""
     from experiments.e2e_speedup import predict
 
-    flags = ["--model", args.model, "--base", str(base), "--workdir", str(root)]
+    flags = ["--model", args.model, "--base", str(base), "--out", str(root)]
     predict.main(flags + (["--runlocal"] if args.runlocal else []))
 
 

@@ -10,34 +10,31 @@ acceptance vs entropy, least-squares line (slope, intercept, r, bootstrap 95 % i
 slope), Spearman's ρ. Then a temperature sweep (RS with each MTP): per temperature the mean
 policy entropy of the emitted tokens and the accept length (tokens per verify).
 
-    python experiments/entropy_acceptance/run.py --model demo
-    python experiments/entropy_acceptance/run.py --model smollm2 \\
-        --distill_from runs/mtp_smollm2_d2/distill --tv_workdir runs/mtp_smollm2_d2
-    python experiments/entropy_acceptance/run.py --model smollm2_recipe \\
-        --ce_workdir runs/exp_mtp_loss_ablation/smollm2/ce \\
-        --tv_workdir runs/exp_mtp_loss_ablation/smollm2/e2e_tv
+    python -m experiments.entropy_acceptance.run --model demo
+    python -m experiments.entropy_acceptance.run --model smollm2 \\
+        --distill_from runs/mtp_smollm2_d2/distill --tv_run runs/mtp_smollm2_d2
+    python -m experiments.entropy_acceptance.run --model smollm2_recipe \\
+        --ce_run runs/exp_mtp_loss_ablation/smollm2/ce \\
+        --tv_run runs/exp_mtp_loss_ablation/smollm2/e2e_tv
 
-Runs land in `runs/exp_entropy_acceptance/<model>/{tv,ce}/` (`launch.py` runs; finished stages
-are reused). `--distill_from DIR` hard-links a finished distill stage (and its cached target
-hiddens) into both, `--tv_workdir` / `--ce_workdir` reuse finished e2e-TV / CE runs of the same
-recipe. Figures and `results_<model>.json` land next to this file. Last line: one JSON object.
+Runs land in `OUT/<model>/{tv,ce}/` (`--out OUT`, default `runs/exp_entropy_acceptance`;
+`launch.py` runs; finished stages are reused). `--distill_from DIR` hard-links a finished distill
+stage (and its cached target hiddens) into both, `--tv_run` / `--ce_run` reuse finished e2e-TV /
+CE runs of the same recipe. `--num_prompts N`: N held-out prompts instead of the model's.
+Figures and `results_<model>.json` land next to this file. Last line: one JSON object.
 """
 
 from __future__ import annotations
 
 import argparse
 import json
-import sys
 import time
 from pathlib import Path
 
 import jax
 import numpy as np
 
-REPO = Path(__file__).resolve().parents[2]
-sys.path.insert(0, str(REPO))
-
-from bebop import (  # noqa: E402
+from bebop import (
     analysis,
     model,
     plots,
@@ -45,11 +42,12 @@ from bebop import (  # noqa: E402
     prompts,
     sampling,
     sharding,
-    speculative,  # noqa: E402
+    speculative,
 )
-from bebop import config as config_lib  # noqa: E402
-from experiments.common import launch, link_tree  # noqa: E402
+from bebop import config as config_lib
+from experiments.common import launch, link_tree
 
+REPO = Path(__file__).resolve().parents[2]
 HERE = Path(__file__).resolve().parent
 MODELS = {
     "demo": dict(
@@ -80,8 +78,8 @@ MODELS = {
         new_tokens=128,
     ),
     # configs/mtp_smollm2.py's current recipe at its full budget (2,100 steps on 3,072 answers to
-    # the RL task at T = 1): reuses the loss ablation's CE and e2e-TV arms (--ce_workdir,
-    # --tv_workdir), whose held-out acceptance is 0.55 / 0.58 against 0.45 / 0.47 above.
+    # the RL task at T = 1): reuses the loss ablation's CE and e2e-TV arms (--ce_run,
+    # --tv_run), whose held-out acceptance is 0.55 / 0.58 against 0.45 / 0.47 above.
     "smollm2_recipe": dict(
         config="configs/mtp_smollm2.py",
         stages="('distill','mtp')",
@@ -100,8 +98,8 @@ PAPER_SLOPES = {"RS-CE": -1.68, "RS-TV": -0.06}
 def train_mtps(args, spec: dict, root: Path) -> dict:
     """The e2e-TV and CE MTP runs (trained here unless given/finished): {name: workdir}."""
     runs = {
-        "tv": Path(args.tv_workdir) if args.tv_workdir else root / "tv",
-        "ce": Path(args.ce_workdir) if args.ce_workdir else root / "ce",
+        "tv": Path(args.tv_run) if args.tv_run else root / "tv",
+        "ce": Path(args.ce_run) if args.ce_run else root / "ce",
     }
     for name, wd in runs.items():
         if (wd / "mtp" / "summary.json").exists():
@@ -191,17 +189,21 @@ def fit_row(r: dict) -> dict:
 def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--model", choices=sorted(MODELS), default="demo")
-    ap.add_argument("--root", default="runs/exp_entropy_acceptance")
+    ap.add_argument("--out", "--root", default="runs/exp_entropy_acceptance", help="the runs")
     ap.add_argument("--distill_from", default="", help="a finished distill stage to reuse")
-    ap.add_argument("--tv_workdir", default="", help="a finished e2e-TV run of the same recipe")
-    ap.add_argument("--ce_workdir", default="", help="a finished CE run of the same recipe")
-    ap.add_argument("--prompts", type=int, default=0, help="held-out prompts (0: the default)")
+    ap.add_argument(
+        "--tv_run", "--tv_workdir", default="", help="a finished e2e-TV run of the same recipe"
+    )
+    ap.add_argument("--ce_run", "--ce_workdir", default="", help="a finished CE run of the recipe")
+    ap.add_argument(
+        "--num_prompts", "--prompts", type=int, default=0, help="held-out prompts (0: the model's)"
+    )
     args = ap.parse_args()
     spec = dict(MODELS[args.model])
-    if args.prompts:
-        spec["prompts"] = args.prompts
+    if args.num_prompts:
+        spec["prompts"] = args.num_prompts
     t_start = time.time()
-    runs = train_mtps(args, spec, REPO / args.root / args.model)
+    runs = train_mtps(args, spec, REPO / args.out / args.model)
     cfg, pol, mtps = load(spec, runs)
     layers = model.decode_layers_jit(pol.graphdef, pol.params)
 

@@ -9,8 +9,8 @@ run's at the same step, as running means without step 1 (which compiles); the st
 each stays at most as slow as plain ("starts paying", or never); the final rollout speedup (the
 RL stage's timed plain-vs-speculative rollouts of its final weights).
 
-    python experiments/growmtp/run.py --base runs/demo
-    python experiments/growmtp/run.py --model smollm2 --base runs/mtp_smollm2 \
+    python -m experiments.growmtp.run --base runs/demo
+    python -m experiments.growmtp.run --model smollm2 --base runs/mtp_smollm2 \
         [--costs experiments/e2e_speedup/results_smollm2.json]
 
 `--model smollm2`: the RL task of `configs/rl_smollm2.py` from one run of the recipe's MTP
@@ -25,16 +25,13 @@ file. Last line: one JSON object.
 from __future__ import annotations
 
 import json
-import sys
 import time
 from pathlib import Path
 
 import numpy as np
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
-
-from bebop import costs, plots  # noqa: E402
-from experiments import common  # noqa: E402
+from bebop import costs, plots
+from experiments import common
 
 HERE = Path(__file__).resolve().parent
 ARMS = ("plain", "grow_scratch", "frozen_rs", "grow_pretrained")
@@ -74,7 +71,8 @@ def after_step_1(res: common.ArmResult, key: str):
 def pays_by_cost_model(res: common.ArmResult, costs_file: Path, window: int) -> dict:
     """The step from which the arm's running-mean accept length stays at or above the cost
     model's break-even (`costs.break_even_accept_len` at the full batch and `rollout.num_draft`,
-    from the per-bucket costs `e2e_speedup/predict.py` measured and wrote to `costs_file`)."""
+    from the per-bucket costs `experiments.e2e_speedup.predict` measured and wrote to
+    `costs_file`)."""
     measured = json.loads(Path(costs_file).read_text())["prediction"]["measured_inputs"]
     bucket = {int(b): c for b, c in measured["bucket_costs_s"].items()}
     batch = max(bucket)
@@ -149,8 +147,8 @@ def main():
     ap.add_argument(
         "--costs",
         default="",
-        help="a results file with e2e_speedup/predict.py's measured costs: the step from which "
-        "each head pays by the cost model",
+        help="a results file with experiments.e2e_speedup.predict's measured costs: the step "
+        "from which each head pays by the cost model",
     )
     args = ap.parse_args()
     t0 = time.perf_counter()

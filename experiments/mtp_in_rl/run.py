@@ -10,8 +10,8 @@ entropy change explains -- study 1's per-token fit of acceptance on entropy
 (`experiments/entropy_acceptance/results_demo.json`: the RS-TV slope for RS arms, TO-CE for TO)
 times the entropy change -- and the rest (Bebop §5.1).
 
-    python experiments/mtp_in_rl/run.py --base runs/demo
-    python experiments/mtp_in_rl/run.py --model smollm2 --base runs/mtp_smollm2
+    python -m experiments.mtp_in_rl.run --base runs/demo
+    python -m experiments.mtp_in_rl.run --model smollm2 --base runs/mtp_smollm2
 
 `--base` is a finished demo run (its `sft` and `mtp` stages; trained there if absent). Arms land
 in `runs/exp_mtp_in_rl/<arm>/` and are reused when finished. `--model smollm2`: the RL task of
@@ -23,14 +23,11 @@ Figures and `results.json` land next to this file. Last line: one JSON object.
 from __future__ import annotations
 
 import json
-import sys
 import time
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
-
-from bebop import plots  # noqa: E402
-from experiments import common  # noqa: E402
+from bebop import plots
+from experiments import common
 
 HERE = Path(__file__).resolve().parent
 ARMS = ("frozen_rs", "online_ce", "online_tv", "to_online_ce")

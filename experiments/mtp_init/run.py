@@ -6,7 +6,7 @@ and the benchmarks use. The random arm shares its distill data (copied, not re-s
 step-1..3 RS acceptance and accept length on held-out RL-task prompts against the training step,
 and the training batches' per-position α, from the two `metrics.jsonl`. Last line: JSON.
 
-    python experiments/mtp_init/run.py [--main runs/mtp_smollm2] [--steps 300] [--plot_only]
+    python -m experiments.mtp_init.run [--main runs/mtp_smollm2] [--steps 300] [--plot_only]
 
 The committed results.json and plots are from `--steps 300` (the recipe's length then).
 """
@@ -20,11 +20,9 @@ import subprocess
 import sys
 from pathlib import Path
 
+from bebop import plots
+
 REPO = Path(__file__).resolve().parents[2]
-sys.path.insert(0, str(REPO))
-
-from bebop import plots  # noqa: E402
-
 HERE = Path(__file__).resolve().parent
 
 

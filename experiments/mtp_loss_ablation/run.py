@@ -16,10 +16,10 @@ Measured per arm:
   accept length, and the analytic acceptance Σ min(p, q) of the drafted tokens, with the
   acceptance's difference to CE paired by prompt (mean ± 1 s.e. over prompts).
 
-    python experiments/mtp_loss_ablation/run.py                   # SmolLM2, ~55 min an arm here
-    python experiments/mtp_loss_ablation/run.py --model demo      # the demo policy, minutes
+    python -m experiments.mtp_loss_ablation.run                   # SmolLM2, ~55 min an arm here
+    python -m experiments.mtp_loss_ablation.run --model demo      # the demo policy, minutes
 
-Runs live under `--workdir/<model>/`: `base/` is a run of the recipe (`--base DIR` to use one,
+Runs live under `OUT/<model>/` (`--out`): `base/` is a run of the recipe (`--base DIR` to use one,
 e.g. `runs/mtp_smollm2`; else its stages before `mtp` run there first); its `mtp` stage, when it
 has one that ran every step with the e2e TV loss, is that arm. Each other arm `<loss>/`
 hard-links the base's distilled data and target cache (the first arm to need the cache computes
@@ -37,7 +37,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import sys
 import time
 from pathlib import Path
 
@@ -46,10 +45,8 @@ import numpy as np
 # This process evaluates each arm (JAX) before the next arm's training launch starts: on a GPU it
 # must not hold three quarters of the memory that launch needs.
 os.environ.setdefault("XLA_PYTHON_CLIENT_PREALLOCATE", "false")
-REPO = Path(__file__).resolve().parents[2]
-sys.path.insert(0, str(REPO))
 
-from experiments.common import launch, link_tree  # noqa: E402
+from experiments.common import launch, link_tree
 
 HERE = Path(__file__).resolve().parent
 LOSSES = ("ce", "kl", "reverse_kl", "tv", "e2e_tv", "e2e_tv_partial")
@@ -311,8 +308,8 @@ def plot_curves(recs: dict[str, list], name: str, window: int) -> list[str]:
 def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--model", choices=list(MODELS), default="smollm2")
-    ap.add_argument("--workdir", default="runs/exp_mtp_loss_ablation")
-    ap.add_argument("--base", default="", help="a finished recipe run (default WORKDIR/MODEL/base)")
+    ap.add_argument("--out", "--workdir", default="runs/exp_mtp_loss_ablation", help="the runs")
+    ap.add_argument("--base", default="", help="a finished recipe run (default OUT/MODEL/base)")
     ap.add_argument("--losses", default=",".join(LOSSES), help="comma-separated; ce first")
     # 768: 1 s.e. of a paired difference 0.48-0.53 points (commit 0111063; 0.88 on 192 prompts).
     ap.add_argument("--eval_prompts", type=int, default=768)
@@ -325,16 +322,18 @@ def main():
     # Prompt i's sampling key depends on the batch it is in: keep this for comparable arms.
     ap.add_argument("--eval_batch", type=int, default=64)
     ap.add_argument("--window", type=int, default=50, help="steps per point of the α curves")
-    ap.add_argument("--override", action="append", default=[], help="config overrides (all runs)")
+    ap.add_argument(
+        "--set", "--override", action="append", default=[], help="config KEY=VALUE (all runs)"
+    )
     args = ap.parse_args()
     spec = MODELS[args.model]
-    root = Path(args.workdir).absolute() / args.model
+    root = Path(args.out).absolute() / args.model
     base = Path(args.base).absolute() if args.base else root / "base"
     losses = args.losses.split(",")
     if losses[0] != "ce" or any(x not in LOSSES for x in losses):
         raise SystemExit(f"--losses: want 'ce' first, then any of {LOSSES}; got {losses}")
     t0 = time.perf_counter()
-    want = {loss: wanted_config(spec, loss, args.override) for loss in losses}
+    want = {loss: wanted_config(spec, loss, args.set) for loss in losses}
     retrain = set(filter(None, args.retrain.split(",")))
     if retrain - set(losses):
         raise SystemExit(f"--retrain: {sorted(retrain - set(losses))} not in --losses {losses}")
@@ -344,7 +343,7 @@ def main():
     if kept:
         print(f"arms kept in {HERE / 'arms'} (same config): {sorted(kept)}", flush=True)
     for loss in todo:  # each arm evaluated and kept as soon as it is trained
-        wd = train_arms(spec, root, base, [loss], args.override)[loss]
+        wd = train_arms(spec, root, base, [loss], args.set)[loss]
         cache = (root / loss) / "heldout.json"
         steps_run = json.loads((wd / "mtp" / "summary.json").read_text())["steps_run"]
         saved = json.loads(cache.read_text()) if cache.exists() else {}

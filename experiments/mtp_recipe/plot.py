@@ -6,24 +6,21 @@ held-out RS acceptance per draft position, and the training batches' own per-pos
 (teacher-forced, analytic). Writes `<prefix>curves.png`, `<prefix>per_position.png` and
 `<prefix>results.json` here. Last line: JSON.
 
-    python experiments/mtp_recipe/plot.py --workdir runs/mtp_1500                # 2-digit, T = 1
-    python experiments/mtp_recipe/plot.py --workdir runs/mtp_smollm2 --prefix rl_task_
+    python -m experiments.mtp_recipe.plot --run runs/mtp_1500                # 2-digit, T = 1
+    python -m experiments.mtp_recipe.plot --run runs/mtp_smollm2 --prefix rl_task_
 """
 
 from __future__ import annotations
 
 import argparse
 import json
-import sys
 from pathlib import Path
 
 import numpy as np
 
+from bebop import plots
+
 REPO = Path(__file__).resolve().parents[2]
-sys.path.insert(0, str(REPO))
-
-from bebop import plots  # noqa: E402
-
 HERE = Path(__file__).resolve().parent
 
 
@@ -44,11 +41,11 @@ def windowed(x, y, width: int):
 
 def main():
     ap = argparse.ArgumentParser()
-    ap.add_argument("--workdir", default="runs/mtp_smollm2")
+    ap.add_argument("--run", "--workdir", default="runs/mtp_smollm2", help="a finished run")
     ap.add_argument("--prefix", default="", help="of the output files")
     args = ap.parse_args()
-    records = plots.read_metrics(REPO / args.workdir / "mtp" / "metrics.jsonl")
-    title = setting(REPO / args.workdir)
+    records = plots.read_metrics(REPO / args.run / "mtp" / "metrics.jsonl")
+    title = setting(REPO / args.run)
     held_out = {
         "RS, wordmath": "eval/rejection/accept_len",
         "TO, wordmath": "eval/target_only/accept_len",
@@ -83,7 +80,7 @@ def main():
         for label, c in curves.items()
     }
     (HERE / f"{args.prefix}results.json").write_text(
-        json.dumps({"workdir": args.workdir, "curves": out}, indent=1)
+        json.dumps({"workdir": args.run, "curves": out}, indent=1)
     )
     print(json.dumps({label: c[-1] for label, c in out.items()}))
 

@@ -4,7 +4,7 @@ Trains the demo's runlocal MTP (100 steps, same SFT policy, data and seed) three
 only, KL only, 50 KL + 50 e2e TV -- and reports the real speculative sampler's accept length and
 step-1 acceptance (γ = 3, rejection sampling, 32 held-out prompts). Last line: JSON.
 
-    python experiments/mtp_warmup/run.py [--workdir runs/exp_mtp_warmup]
+    python -m experiments.mtp_warmup.run [--out runs/exp_mtp_warmup]
 """
 
 from __future__ import annotations
@@ -40,8 +40,8 @@ def launch(workdir: Path, *overrides: str) -> dict:
 
 def main():
     ap = argparse.ArgumentParser()
-    ap.add_argument("--workdir", default="runs/exp_mtp_warmup")
-    root = Path(ap.parse_args().workdir).absolute()
+    ap.add_argument("--out", "--workdir", default="runs/exp_mtp_warmup", help="the runs' folder")
+    root = Path(ap.parse_args().out).absolute()
     base = root / "base"
     launch(base, "stages=('sft','distill')")
     results = {}

@@ -4,36 +4,32 @@ plus before / after), and accept length (tokens per verify) vs step. Writes
 `<name>_reward.png`, `<name>_accuracy.png`, `<name>_accept.png` and `<name>.json` here.
 Last line: JSON.
 
-    python experiments/rl_curves/plot.py --workdir runs/demo --name demo
-    python experiments/rl_curves/plot.py --workdir runs/rl_smollm2 --name smollm2
+    python -m experiments.rl_curves.plot --run runs/demo --name demo
+    python -m experiments.rl_curves.plot --run runs/rl_smollm2 --name smollm2
 """
 
 from __future__ import annotations
 
 import argparse
 import json
-import sys
 from pathlib import Path
 
 import numpy as np
 
-REPO = Path(__file__).resolve().parents[2]
-sys.path.insert(0, str(REPO))
-
-from bebop import plots  # noqa: E402
-from experiments.common import running_mean  # noqa: E402
+from bebop import plots
+from experiments.common import running_mean
 
 HERE = Path(__file__).resolve().parent
 
 
 def main():
     ap = argparse.ArgumentParser()
-    ap.add_argument("--workdir", required=True)
+    ap.add_argument("--run", "--workdir", required=True, help="a finished run with an RL stage")
     ap.add_argument("--name", required=True, help="file prefix, e.g. demo")
     ap.add_argument("--setting", default="", help="title text (default: from the summary)")
     ap.add_argument("--window", type=int, default=5, help="running-mean width in steps")
     args = ap.parse_args()
-    rdir = Path(args.workdir) / "rl"
+    rdir = Path(args.run) / "rl"
     records = plots.read_metrics(rdir / "metrics.jsonl")
     summary = json.loads((rdir / "summary.json").read_text())
     setting = args.setting or (
@@ -55,7 +51,7 @@ def main():
         setting,
     )
     curve = np.asarray(summary["eval_curve"], np.float64)
-    cfg = json.loads((Path(args.workdir) / "config.json").read_text())
+    cfg = json.loads((Path(args.run) / "config.json").read_text())
     n_eval = cfg["rl"]["eval_samples"]
     plots.lines(
         HERE / f"{args.name}_accuracy.png",

@@ -12,13 +12,14 @@ counts rows that differ). The rule predicts per token which rule accepts more (m
 the measured acceptance of the rule that ran minus the other rule's analytic one (tokens
 binned by margin; per bin the sign of the mean).
 
-    python experiments/rs_vs_to/run.py --model demo --workdir runs/demo
-    python experiments/rs_vs_to/run.py --model smollm2 --mtp_ckpt runs/mtp_smollm2/mtp/ckpt \\
+    python -m experiments.rs_vs_to.run --model demo --run runs/demo
+    python -m experiments.rs_vs_to.run --model smollm2 --mtp_ckpt runs/mtp_smollm2/mtp/ckpt \\
         --config configs/rl_smollm2.py
 
-Batch 1 by default: on this CPU speculative decoding pays only at small live batch (a 4-token
-verify costs ~1.3x a decode step at B=1, ~1.7x at B=8). The demo needs a finished run with an
-MTP stage (`python launch.py --config configs/demo.py --workdir runs/demo`). Figures and
+One batch size and one γ (`--batches`, `--gammas`: one value each); batch 1 by default: on this
+CPU speculative decoding pays only at small live batch (a 4-token verify costs ~1.3x a decode
+step at B=1, ~1.7x at B=8). The demo needs a finished run with an MTP stage
+(`python launch.py --config configs/demo.py --workdir runs/demo`). Figures and
 `results_<model>.json` land next to this file. Last line: one JSON object.
 """
 
@@ -26,7 +27,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import sys
 import time
 from pathlib import Path
 
@@ -34,12 +34,9 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-REPO = Path(__file__).resolve().parents[2]
-sys.path.insert(0, str(REPO))
-
-from bebop import analysis, model, plots, sampling, sharding, speculative  # noqa: E402
-from bebop import config as config_lib  # noqa: E402
-from benchmarks.rollout import batches, load_models, sampling_config, timed_pass  # noqa: E402
+from bebop import analysis, model, plots, sampling, sharding, speculative
+from bebop import config as config_lib
+from benchmarks.common import batches, load_models, sampling_config, timed_pass
 
 HERE = Path(__file__).resolve().parent
 RULES = ("rejection", "target_only")
@@ -122,12 +119,12 @@ def rejudge(path: Path) -> None:
 def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--model", choices=["demo", "smollm2"], default="demo")
-    ap.add_argument("--workdir", default="runs/demo", help="demo: a finished run with an MTP")
+    ap.add_argument("--run", "--workdir", default="runs/demo", help="demo: a finished run (MTP)")
     ap.add_argument("--mtp_ckpt", default="", help="smollm2: DIR/mtp/ckpt of a trained MTP")
     ap.add_argument("--config", default="configs/rl_smollm2.py", help="smollm2: the task")
-    ap.add_argument("--temps", default="0.3,0.5,0.7,1.0,1.3")
-    ap.add_argument("--gamma", type=int, default=3)
-    ap.add_argument("--batch", type=int, default=1)
+    ap.add_argument("--temperatures", "--temps", default="0.3,0.5,0.7,1.0,1.3")
+    ap.add_argument("--gammas", "--gamma", dest="gamma", type=int, default=3, help="one value")
+    ap.add_argument("--batches", "--batch", dest="batch", type=int, default=1, help="one value")
     ap.add_argument(
         "--repeats", type=int, default=0, help="timed passes, best of (0: demo 3, smollm2 1)"
     )
@@ -148,7 +145,7 @@ def main():
     args.new_tokens = args.new_tokens or (40 if demo else 64)
     if args.model == "smollm2" and not args.mtp_ckpt:
         ap.error("--model smollm2 needs --mtp_ckpt (a trained MTP: the rules compare its drafts)")
-    temps = [float(t) for t in args.temps.split(",")]
+    temps = [float(t) for t in args.temperatures.split(",")]
     t_start = time.time()
 
     mesh = sharding.make_mesh(config_lib.MeshConfig(data=1), jax.devices()[:1])
