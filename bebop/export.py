@@ -87,14 +87,13 @@ def weights(cfg, workdir: Path, stage: str, with_mtp: bool, mesh):
     return policy, policy.params, policy.mtp[1] if with_mtp else None, fmt
 
 
-def generation_config(cfg, ids: dict, base: dict | None = None) -> dict:
-    """transformers' generation defaults: the token ids and the run's rollout sampling."""
+def generation_config(r: config_lib.RolloutConfig, ids: dict, base: dict | None = None) -> dict:
+    """transformers' generation defaults: the token ids and the rollout section's sampling."""
     gen = dict(base or {})  # an HF source's own BOS / pad ids win over bebop's defaults
     gen["eos_token_id"] = ids["eos"]  # the ids bebop's sampler stops at
     for k in ("bos", "pad"):
         if ids[k] is not None:
             gen.setdefault(f"{k}_token_id", ids[k])
-    r = cfg.rollout
     for k in ("temperature", "top_p", "top_k", "do_sample"):
         gen.pop(k, None)
     if r.temperature > 0:  # top_k=0 turns transformers' default top-k of 50 off
@@ -155,7 +154,7 @@ def export_run(args) -> tuple[Path, str]:
         dtype=args.dtype,
         base_config=base_cfg,
     )
-    gen = generation_config(cfg, ids, base_gen)
+    gen = generation_config(cfg.rollout, ids, base_gen)
     (out / "generation_config.json").write_text(json.dumps(gen, indent=2))
     return out, stage
 

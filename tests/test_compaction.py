@@ -403,7 +403,7 @@ def test_rollout_speedup_alternates_the_samplers_and_takes_each_ones_best(monkey
         return scripted[name][rep]
 
     monkeypatch.setattr(rl_rollouts, "_timed_rollout", fake)
-    res = rl_rollouts.rollout_speedup(ro, None, None, cfg)
+    res = rl_rollouts.rollout_speedup(ro, None, None, cfg.rl.speedup_repeats)
     assert calls == [(n, r) for r in range(4) for n in ("plain", "spec")]
     assert res["plain_s"] == 1.0 and res["plain_tok_s"] == 120.0
     assert res["spec_s"] == 0.4 and res["spec_tok_s"] == 200.0

@@ -302,17 +302,17 @@ def speedup_inputs(rollouts: Rollouts, ids) -> tuple:
     return sharding.shard_batch((toks, lens), rollouts.mesh)
 
 
-def rollout_speedup(rollouts: Rollouts, pol, mtp, cfg: RunConfig) -> dict:
+def rollout_speedup(rollouts: Rollouts, pol, mtp, repeats: int) -> dict:
     """Plain vs speculative sampler on the same prompts (one RL batch), same run, timed after
     compilation, the two alternating (a drift of the machine's speed reaches both); each the
-    best of `rl.speedup_repeats` calls, tokens per second of that call."""
+    best of `repeats` calls (`rl.speedup_repeats`), tokens per second of that call."""
     _, ids = rollouts.prompts(10_000)
     toks, lens = speedup_inputs(rollouts, ids)
     samplers = {"plain": None}
     if rollouts.spec is not None:
-        samplers["spec"] = spec_config(cfg.rollout)
+        samplers["spec"] = spec_config(rollouts.cfg.rollout)
     best = {name: (float("inf"), 0) for name in samplers}
-    for rep in range(cfg.rl.speedup_repeats + 1):  # the first call of each compiles
+    for rep in range(repeats + 1):  # the first call of each compiles
         for name, spec in samplers.items():
             timed = _timed_rollout(rollouts, pol, mtp, toks, lens, spec, rep)
             if rep and timed[0] < best[name][0]:

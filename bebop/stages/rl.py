@@ -430,7 +430,9 @@ def finish(r: RLRun, rollouts, rl_wall: float) -> dict:
     acc_after = r.greedy_accuracy(r.pol_state.params)
     speed = None
     if rl.speedup_repeats:
-        speed = rl_rollouts.rollout_speedup(rollouts, r.pol_state.params, r.mtp_state.params, r.cfg)
+        speed = rl_rollouts.rollout_speedup(
+            rollouts, r.pol_state.params, r.mtp_state.params, rl.speedup_repeats
+        )
     summary = summarize(r.history, rl, r.acc_before, acc_after, rl_wall, r.timer.totals, speed)
     summary["eval_curve"] = [*r.evals, (rl.steps, acc_after)]  # (step, greedy accuracy)
     if sharding.is_primary():
