@@ -67,16 +67,16 @@ def run_config(workdir: Path) -> config_lib.RunConfig:
 
 def weights(cfg, workdir: Path, stage: str, with_mtp: bool, mesh):
     """(policy as loaded, policy params to export, MTP params or None, MTP layout)."""
-    policy = policies.load(cfg, workdir, mesh)
+    policy = policies.load(cfg.policy, cfg.model, workdir, mesh)
     fmt = "qwen3_5" if cfg.mtp.num_layers == 1 else "deepseek_v3"
     if policy.mtp_format is not None:  # the checkpoint's own layout, if it holds n layers
         limit = names.MTP_FORMATS[policy.mtp_format]["max_layers"]
         fmt = policy.mtp_format if limit is None or cfg.mtp.num_layers <= limit else fmt
     if stage == "rl":
-        pol_params, mtp_params = policies.load_rl(cfg, workdir, mesh, policy.cfg)
+        pol_params, mtp_params = policies.load_rl(cfg.mtp, workdir, mesh, policy.cfg)
         return policy, pol_params, mtp_params if with_mtp else None, fmt
     if stage == "mtp":
-        mtp_params = policies.load_mtp(cfg, workdir / "mtp" / "ckpt", policy.cfg, mesh)[1]
+        mtp_params = policies.load_mtp(cfg.mtp, workdir / "mtp" / "ckpt", policy.cfg, mesh)[1]
         return policy, policy.params, mtp_params, fmt
     if with_mtp and policy.mtp is None:
         raise ExportError(
@@ -130,7 +130,7 @@ def export_run(args) -> tuple[Path, str]:
         ) from e
     base_cfg, base_gen, src = {}, {}, None
     if cfg.policy.source == "hf":  # keep what bebop does not model (token ids, max positions)
-        src = policies.hf_dir(cfg, workdir)
+        src = policies.hf_dir(cfg.policy, workdir)
         base_cfg = read_json(src / "config.json")
         if (src / "generation_config.json").exists():
             base_gen = read_json(src / "generation_config.json")

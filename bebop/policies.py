@@ -24,39 +24,38 @@ from bebop import mtp as mtp_lib
 from bebop.checkpoints import LoadedPolicy
 from bebop.checkpoints.tokenizer_files import read_char_tokenizer
 from bebop.ckpt import restore_params, restore_partial
-from bebop.config import ConfigError, ModelConfig, RunConfig, check_vocab
+from bebop.config import ConfigError, ModelConfig, MTPConfig, PolicyConfig, RunConfig, check_vocab
 from bebop.finite import check_finite
 from bebop.tokenizer import BPETokenizer, CharTokenizer
 
 
-def load(cfg: RunConfig, workdir: Path, mesh) -> LoadedPolicy:
-    """The policy `cfg.policy` names, its weights checked finite (`finite.check_finite`)."""
-    loaded, where = _load(cfg, workdir, mesh)
+def load(src: PolicyConfig, run_model: ModelConfig, workdir: Path, mesh) -> LoadedPolicy:
+    """The policy the `policy` section names, its weights checked finite
+    (`finite.check_finite`); `run_model`: the `model` section (the architecture of
+    `policy.source=sft`, the dtypes and run knobs of a checkpoint's)."""
+    loaded, where = _load(src, run_model, workdir, mesh)
     check_finite(loaded.params, f"the policy ({where})")
     if loaded.mtp is not None:
         check_finite(loaded.mtp[1], f"the MTP layers the policy ships ({where})")
     return loaded
 
 
-def _load(cfg: RunConfig, workdir: Path, mesh) -> tuple[LoadedPolicy, str]:
-    src = cfg.policy
+def _load(src: PolicyConfig, m: ModelConfig, workdir: Path, mesh) -> tuple[LoadedPolicy, str]:
     if src.source == "sft":  # the demo policy trained by this run's `sft` stage
-        graphdef, abstract = model.abstract(cfg.model)
+        graphdef, abstract = model.abstract(m)
         ckpt_dir = Path(workdir) / "sft" / "ckpt"
         params = restore_params(ckpt_dir, abstract, mesh)
-        return LoadedPolicy(cfg.model, graphdef, params, CharTokenizer()), str(ckpt_dir)
+        return LoadedPolicy(m, graphdef, params, CharTokenizer()), str(ckpt_dir)
     if src.source == "gguf":
         from bebop.checkpoints import gguf
 
         path = gguf.find_smollm2(src.path or None)
-        m = cfg.model
         loaded = gguf.load(path, mesh, m.dtype, m.scan_layers, m.param_dtype, src.num_layers)
         check_vocab(loaded.tok.vocab_size, loaded.cfg.vocab_size, str(path), str(path))
         return with_run_knobs(loaded, m), str(path)
     from bebop.checkpoints import hf
 
-    m = cfg.model
-    path = hf_dir(cfg, workdir)
+    path = hf_dir(src, workdir)
     loaded = hf.load(path, mesh, m.dtype, m.scan_layers, m.param_dtype, src.num_layers)
     tok = hf_tokenizer(path)
     check_vocab(tok.vocab_size, loaded.cfg.vocab_size, f"{path}/tokenizer.json", str(path))
@@ -78,14 +77,14 @@ def with_run_knobs(loaded: LoadedPolicy, run_model: ModelConfig) -> LoadedPolicy
     return dataclasses.replace(loaded, cfg=cfg, graphdef=model.abstract(cfg)[0])
 
 
-def hf_dir(cfg: RunConfig, workdir: Path) -> Path:
+def hf_dir(src: PolicyConfig, workdir: Path) -> Path:
     """The Hugging Face directory of `policy.source=hf`: `policy.path`, or for
     `policy.path="tiny:KIND"` the tiny random checkpoint `<workdir>/tiny_hf/KIND`, built on first
     use (`bebop/checkpoints/tiny.py`)."""
     from bebop.checkpoints import tiny
 
-    kind = tiny.kind_of(cfg.policy.path)
-    return Path(cfg.policy.path) if kind is None else tiny.ensure(workdir, kind)
+    kind = tiny.kind_of(src.path)
+    return Path(src.path) if kind is None else tiny.ensure(workdir, kind)
 
 
 def hf_tokenizer(directory: Path) -> BPETokenizer:
@@ -169,22 +168,22 @@ def restore_mtp(ckpt_dir: Path, abstract, mesh, key: str):
     return params
 
 
-def load_mtp(cfg: RunConfig, ckpt_dir: Path, pol_cfg: ModelConfig, mesh):
-    """(graphdef, params on the mesh, draft vocabulary or None) of the MTP whose checkpoints are
-    in `ckpt_dir` (an `mtp` stage's `DIR/mtp/ckpt`; its draft vocabulary sits next to it)."""
+def load_mtp(mtp: MTPConfig, ckpt_dir: Path, pol_cfg: ModelConfig, mesh):
+    """(graphdef, params on the mesh, draft vocabulary or None) of the MTP (`mtp` section) whose
+    checkpoints are in `ckpt_dir` (an `mtp` stage's `DIR/mtp/ckpt`; its draft vocabulary sits
+    next to it) on the policy architecture `pol_cfg`."""
     ckpt_dir = Path(ckpt_dir)
-    graphdef, abstract = abstract_mtp(pol_cfg, cfg.mtp.num_layers)
+    graphdef, abstract = abstract_mtp(pol_cfg, mtp.num_layers)
     params = restore_mtp(ckpt_dir, abstract, mesh, "mtp.init_from")
     vocab = mtp_lib.load_draft_vocab(ckpt_dir.parent, pol_cfg.vocab_size)
     return graphdef, params, vocab
 
 
-def load_rl(cfg: RunConfig, workdir: Path, mesh, pol_cfg: ModelConfig | None = None):
+def load_rl(mtp: MTPConfig, workdir: Path, mesh, pol_cfg: ModelConfig):
     """(policy params, MTP params) from this run's `rl` checkpoints; `pol_cfg`: the policy's
-    architecture (`LoadedPolicy.cfg`; default `cfg.model`, that of `policy.source=sft`)."""
-    pol_cfg = pol_cfg or cfg.model
+    architecture (`LoadedPolicy.cfg`; for `policy.source=sft`, the `model` section)."""
     _, pol_abstract = model.abstract(pol_cfg)
-    _, mtp_abstract = abstract_mtp(pol_cfg, cfg.mtp.num_layers)
+    _, mtp_abstract = abstract_mtp(pol_cfg, mtp.num_layers)
     target = {
         "policy": {"params": sharding.abstract_on_mesh(pol_abstract, mesh)},
         "mtp": {"params": sharding.abstract_on_mesh(mtp_abstract, mesh)},

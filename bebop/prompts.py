@@ -12,7 +12,7 @@ from __future__ import annotations
 import numpy as np
 
 from bebop import tasks
-from bebop.config import RunConfig
+from bebop.config import TaskConfig
 
 STREAMS = {"distill": 11, "eval": 1_000_003, "rl": 23, "bench": 37}
 
@@ -76,12 +76,15 @@ def mixed_prompt(rng: np.random.Generator) -> str:
     return pick(_CODE).format(k=pick(_K), w=pick(_W), j=pick(_J), a=a)
 
 
-def prompt_ids(cfg: RunConfig, tok, n: int, stream: str, kind: str = "task") -> list[list[int]]:
-    """`n` tokenized prompts of the given kind from one stream: `task` (the run's task, via
-    `tasks.make_task`: arithmetic, wordmath, countdown or a GSM8K-style file) or `mixed`."""
-    seed = cfg.seed + STREAMS[stream]
+def prompt_ids(
+    task_cfg: TaskConfig, seed: int, tok, n: int, stream: str, kind: str = "task"
+) -> list[list[int]]:
+    """`n` tokenized prompts of the given kind from one stream of the run's `seed`: `task` (the
+    `task` section's task, via `tasks.make_task`: arithmetic, wordmath, countdown, a GSM8K-style
+    or jsonl file) or `mixed`."""
+    seed = seed + STREAMS[stream]
     if kind == "task":
-        task = tasks.make_task(cfg.task)
+        task = tasks.make_task(task_cfg)
         problem = task.eval_problem if stream == "eval" else task.problem
         return [task.prompt_ids(tok, problem(seed, i)) for i in range(n)]
     if kind != "mixed":
@@ -90,15 +93,15 @@ def prompt_ids(cfg: RunConfig, tok, n: int, stream: str, kind: str = "task") -> 
     return [tok.chat([{"role": "user", "content": mixed_prompt(rng)}]) for _ in range(n)]
 
 
-def blend(cfg: RunConfig, tok, n: int, stream: str, kind: str, mixed_fraction: float):
+def blend(task_cfg: TaskConfig, seed: int, tok, n: int, stream: str, kind: str, mixed_fraction):
     """`n` prompts: `kind`'s, with a `mixed_fraction` share of mixed chat prompts interleaved at
     seeded positions (the two kinds draw from the same stream offsets; `mixed` never repeats)."""
     n_mixed = round(n * mixed_fraction) if kind == "task" else 0
-    main = prompt_ids(cfg, tok, n - n_mixed, stream, kind)
+    main = prompt_ids(task_cfg, seed, tok, n - n_mixed, stream, kind)
     if not n_mixed:
         return main
-    mixed = prompt_ids(cfg, tok, n_mixed, stream, "mixed")
-    order = np.random.default_rng(cfg.seed + STREAMS[stream] + 1).permutation(n)
+    mixed = prompt_ids(task_cfg, seed, tok, n_mixed, stream, "mixed")
+    order = np.random.default_rng(seed + STREAMS[stream] + 1).permutation(n)
     is_mixed = np.zeros(n, bool)
     is_mixed[order[:n_mixed]] = True
     it_main, it_mixed = iter(main), iter(mixed)

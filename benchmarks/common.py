@@ -53,11 +53,11 @@ def load_models(args, mesh):
         from bebop import policies
         from bebop.stages import mtp as mtp_train
 
-        policy = policies.load(cfg, wd, mesh)
+        policy = policies.load(cfg.policy, cfg.model, wd, mesh)
         pol_gd, pol_params, tok = policy.graphdef, policy.params, policy.tok
         mtp = mtp_train.load_trained(cfg, wd, cfg.model, mesh)
         vocab = mtp_train.load_draft_vocab(wd / "mtp", cfg.model.vocab_size)
-        ids = prompts.prompt_ids(cfg, tok, args.num_prompts, "bench", args.prompts)
+        ids = prompts.prompt_ids(cfg.task, cfg.seed, tok, args.num_prompts, "bench", args.prompts)
         return (pol_gd, pol_params), mtp, vocab, tok, ids, "trained (demo mtp stage)"
     if args.model == "random":
         from benchmarks import shapes
@@ -71,14 +71,14 @@ def load_models(args, mesh):
 
     cfg, _ = config_lib.load(str(REPO / args.config))  # the task whose prompts are timed
     cfg = with_dtype(cfg, args.dtype)
-    policy = policies.load(cfg, Path("."), mesh)
+    policy = policies.load(cfg.policy, cfg.model, Path("."), mesh)
     pol_gd, pol_params, tok, pol_cfg = policy.graphdef, policy.params, policy.tok, policy.cfg
     mtp_gd, mtp_params = mtp_lib.init(pol_cfg, 1, seed=0)
     source, vocab = "random init", None
     if args.mtp_ckpt:  # DIR/mtp/ckpt; the draft vocabulary, if any, is DIR/mtp/draft_vocab.npy
-        mtp_gd, mtp_params, vocab = policies.load_mtp(cfg, Path(args.mtp_ckpt), pol_cfg, mesh)
+        mtp_gd, mtp_params, vocab = policies.load_mtp(cfg.mtp, Path(args.mtp_ckpt), pol_cfg, mesh)
         source = args.mtp_ckpt
-    ids = prompts.prompt_ids(cfg, tok, args.num_prompts, "bench", args.prompts)
+    ids = prompts.prompt_ids(cfg.task, cfg.seed, tok, args.num_prompts, "bench", args.prompts)
     return (pol_gd, pol_params), (mtp_gd, mtp_params), vocab, tok, ids, source
 
 

@@ -111,19 +111,21 @@ def test_load_returns_one_type_for_every_source_and_keeps_shipped_mtp(sources, t
     ck = Checkpointer(tmp_path / "sft" / "ckpt", async_save=False)
     ck.save(1, {"params": params}, {})
     ck.close()
-    sft = policies.load(cfg, tmp_path, mesh)
+    sft = policies.load(cfg.policy, cfg.model, tmp_path, mesh)
     assert isinstance(sft, LoadedPolicy) and sft.cfg == cfg.model and sft.mtp is None
     assert isinstance(sft.tok, CharTokenizer)
     _equal(sft.params, params)
     # hf: architecture from config.json, tokenizer from tokenizer.json, the shipped MTP kept
-    with_mtp = policies.load(_hf_run(tmp_path / "a", root / "mtp"), tmp_path / "a", mesh)
+    a = _hf_run(tmp_path / "a", root / "mtp")
+    with_mtp = policies.load(a.policy, a.model, tmp_path / "a", mesh)
     assert isinstance(with_mtp, LoadedPolicy) and with_mtp.cfg.qk_norm
     assert (with_mtp.cfg.num_layers, with_mtp.cfg.vocab_size) == (2, 96)
     # the source ships the demo's character tokenizer: read back as one (raw task prompts)
     assert isinstance(with_mtp.tok, CharTokenizer) and with_mtp.tok.eos_ids == (2,)
     assert with_mtp.mtp is not None and with_mtp.mtp_format == "qwen3_5"
     _equal(with_mtp.mtp[1], mparams)
-    plain = policies.load(_hf_run(tmp_path / "b", root / "plain"), tmp_path / "b", mesh)
+    b = _hf_run(tmp_path / "b", root / "plain")
+    plain = policies.load(b.policy, b.model, tmp_path / "b", mesh)
     assert plain.mtp is None and plain.mtp_format is None
 
 
@@ -133,7 +135,7 @@ def test_mtp_init_checkpoint_starts_from_the_shipped_layers_or_names_the_missing
     root, mparams = sources
     mesh = _mesh()
     cfg = _hf_run(tmp_path / "a", root / "mtp", ("mtp", {"init": "checkpoint"}))
-    policy = policies.load(cfg, tmp_path / "a", mesh)
+    policy = policies.load(cfg.policy, cfg.model, tmp_path / "a", mesh)
     _, params = policies.init_mtp(cfg, policy, mesh)  # the mtp stage's start
     _equal(params, mparams)
     # an rl-only run without an `mtp` stage drafts with the shipped layers (no draft vocabulary)
@@ -142,10 +144,12 @@ def test_mtp_init_checkpoint_starts_from_the_shipped_layers_or_names_the_missing
     assert vocab is None
     plain = _hf_run(tmp_path / "b", root / "plain", ("mtp", {"init": "checkpoint"}))
     with pytest.raises(ConfigError, match=r"'mtp.init'.*plain.*has none"):
-        policies.init_mtp(plain, policies.load(plain, tmp_path / "b", mesh), mesh)
+        policies.init_mtp(
+            plain, policies.load(plain.policy, plain.model, tmp_path / "b", mesh), mesh
+        )
     two = _hf_run(tmp_path / "c", root / "mtp", ("mtp", {"init": "checkpoint", "num_layers": 2}))
     with pytest.raises(ConfigError, match=r"'mtp.num_layers'.*ships 1 MTP layer"):
-        policies.init_mtp(two, policies.load(two, tmp_path / "c", mesh), mesh)
+        policies.init_mtp(two, policies.load(two.policy, two.model, tmp_path / "c", mesh), mesh)
     with pytest.raises(ConfigError, match=r"'mtp.init'.*'ckpt'"):
         config_lib.from_dict(RunConfig, {"mtp": {"init": "ckpt"}}).validate()
 
@@ -160,7 +164,7 @@ def rl_run(sources, tmp_path_factory):
     root, mparams = sources
     wd = tmp_path_factory.mktemp("run")
     cfg = _hf_run(wd, root / "mtp")
-    base = policies.load(cfg, wd, _mesh())
+    base = policies.load(cfg.policy, cfg.model, wd, _mesh())
     pol, mtp = _perturb(base.params, 1, 0.05), _perturb(mparams, 2, 0.05)
     ck = Checkpointer(wd / "rl" / "ckpt", async_save=False)
     ck.save(7, {"policy": {"params": pol}, "mtp": {"params": mtp}}, {})

@@ -70,7 +70,7 @@ def test_a_policy_with_non_finite_weights_is_refused_naming_the_tensor(tmp_path,
     _save_params(tmp_path / "sft" / "ckpt", params)
     cfg = RunConfig(model=tiny_cfg)
     with pytest.raises(NonFiniteWeightsError, match=r"layers\.mlp\.w_up.*(NaN|inf)"):
-        policies.load(cfg, tmp_path, _mesh())
+        policies.load(cfg.policy, cfg.model, tmp_path, _mesh())
 
 
 def test_an_mtp_with_non_finite_weights_is_refused_naming_the_tensor(tmp_path, tiny_cfg):
@@ -80,7 +80,7 @@ def test_an_mtp_with_non_finite_weights_is_refused_naming_the_tensor(tmp_path, t
     _save_params(tmp_path / "mtp" / "ckpt", params)
     cfg = RunConfig(model=tiny_cfg)
     with pytest.raises(NonFiniteWeightsError, match=r"w_fc.*1 NaN"):
-        policies.load_mtp(cfg, tmp_path / "mtp" / "ckpt", tiny_cfg, _mesh())
+        policies.load_mtp(cfg.mtp, tmp_path / "mtp" / "ckpt", tiny_cfg, _mesh())
 
 
 # ---------------------------------------------------------------------- 3: reward values, records
@@ -223,14 +223,14 @@ def test_mtp_init_from_an_sft_checkpoint_names_what_the_directory_holds(tmp_path
         model=tiny_cfg,
         mtp=dataclasses.replace(RunConfig().mtp, init_from=str(tmp_path / "sft" / "ckpt")),
     )
-    policy = policies.load(cfg, tmp_path, _mesh())
+    policy = policies.load(cfg.policy, cfg.model, tmp_path, _mesh())
     with pytest.raises(
         ConfigError,
         match=r"'mtp\.init_from': .* holds a policy checkpoint.*expected an MTP checkpoint",
     ):
         policies.init_mtp(cfg, policy, _mesh())
     with pytest.raises(ConfigError, match=r"holds a policy checkpoint.*expected an MTP checkpoint"):
-        policies.load_mtp(cfg, tmp_path / "sft" / "ckpt", tiny_cfg, _mesh())
+        policies.load_mtp(cfg.mtp, tmp_path / "sft" / "ckpt", tiny_cfg, _mesh())
 
 
 # ---------------------------------------------------------------------- 8: export, edited config

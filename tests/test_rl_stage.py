@@ -159,7 +159,7 @@ def test_mtp_strategies_never_touch_the_policy(pretrained, tmp_path):
         cfg = _rl_cfg(f"rl.mtp_strategy='{strategy}'", "rl.max_staleness=0", "rl.steps=3")
         d = _copy_pre(pretrained, tmp_path / strategy)
         rl_stage.run(cfg, d, _mesh(), make_rollouts=Replay)
-        finals[strategy] = policies.load_rl(cfg, d, _mesh())
+        finals[strategy] = policies.load_rl(cfg.mtp, d, _mesh(), cfg.model)
         versions = [r["mtp_version"] for r in read_jsonl(d / "rl/metrics.jsonl")]
         assert versions[-1] == (0 if strategy == "frozen" else 3)
     for strategy in ("online", "growmtp"):
@@ -268,7 +268,7 @@ def test_rl_without_the_mtp_stage_loads_the_trained_draft_or_names_the_missing_o
     names a pre-trained head."""
     cfg = _rl_cfg("stages=('rl',)")
     mesh = _mesh()
-    policy = policies.load(cfg, pretrained, mesh)
+    policy = policies.load(cfg.policy, cfg.model, pretrained, mesh)
     pol_cfg = policy.cfg
     _, got, vocab = rl_stage.load_draft_model(cfg, pretrained, policy, mesh)
     want = mtp_train.load_trained(cfg, pretrained, pol_cfg, mesh)[1]

@@ -43,8 +43,8 @@ def test_kill_and_resume_matches_uninterrupted(tmp_path):
     assert [r["step"] for r in b] == list(range(2, 13, 2))  # steps 5-6 were dropped and redone
     assert [r["loss"] for r in a] == [r["loss"] for r in b]
     assert full["final_loss"] == resumed["final_loss"]
-    pa = policies.load(cfg, tmp_path / "full", _mesh()).params
-    pb = policies.load(cfg, tmp_path / "cut", _mesh()).params
+    pa = policies.load(cfg.policy, cfg.model, tmp_path / "full", _mesh()).params
+    pb = policies.load(cfg.policy, cfg.model, tmp_path / "cut", _mesh()).params
     for x, y in zip(jax.tree.leaves(pa), jax.tree.leaves(pb), strict=True):
         np.testing.assert_array_equal(x, y)
 

@@ -30,7 +30,7 @@ def _cfg(path="tiny:qwen3", source="hf") -> RunConfig:
 def built(tmp_path_factory):
     """(workdir, the policy loaded by the first `policies.load`, which built the directory)."""
     workdir = tmp_path_factory.mktemp("run")
-    return workdir, policies.load(_cfg(), workdir, _mesh())
+    return workdir, policies.load(_cfg().policy, _cfg().model, workdir, _mesh())
 
 
 def test_tiny_qwen3_loads_in_transformers_with_bebops_logits_and_tokens(built):
@@ -61,7 +61,7 @@ def test_tiny_checkpoint_is_built_once_and_reused(built):
     directory = workdir / "tiny_hf" / "qwen3"
     before = {p.name: p.stat().st_mtime_ns for p in directory.iterdir()}
     (directory / "marker").write_text("kept")  # a rebuild would replace the directory
-    again = policies.load(_cfg(), workdir, _mesh())
+    again = policies.load(_cfg().policy, _cfg().model, workdir, _mesh())
     assert (directory / "marker").read_text() == "kept"
     assert {p.name: p.stat().st_mtime_ns for p in directory.iterdir() if p.name != "marker"} == (
         before

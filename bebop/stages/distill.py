@@ -78,12 +78,14 @@ def run(cfg: RunConfig, workdir: Path, mesh) -> dict:
     ddir = Path(workdir) / "distill"
     ddir.mkdir(parents=True, exist_ok=True)
     d = cfg.distill
-    policy = policies.load(cfg, workdir, mesh)
+    policy = policies.load(cfg.policy, cfg.model, workdir, mesh)
     graphdef, params, tok = policy.graphdef, policy.params, policy.tok
-    ids = prompts.blend(cfg, tok, d.num_samples, "distill", d.prompts, d.mixed_fraction)
+    ids = prompts.blend(
+        cfg.task, cfg.seed, tok, d.num_samples, "distill", d.prompts, d.mixed_fraction
+    )
     draft = None
     if d.draft_from:
-        mtp_gd, mtp_params, vocab = policies.load_mtp(cfg, Path(d.draft_from), policy.cfg, mesh)
+        mtp_gd, mtp_params, vocab = policies.load_mtp(cfg.mtp, Path(d.draft_from), policy.cfg, mesh)
         spec = rollout.spec_config(cfg.rollout, rule="rejection")
         draft = (mtp_gd, mtp_params, vocab, spec)
     bar = Progress(len(ids), 0, "distill")

@@ -150,7 +150,7 @@ def cached_target(
 
 def load_trained(cfg: RunConfig, workdir: Path, pol_cfg, mesh):
     """(graphdef, params) of the MTP trained by this run's `mtp` stage."""
-    graphdef, params, _ = policies.load_mtp(cfg, Path(workdir) / "mtp" / "ckpt", pol_cfg, mesh)
+    graphdef, params, _ = policies.load_mtp(cfg.mtp, Path(workdir) / "mtp" / "ckpt", pol_cfg, mesh)
     return graphdef, params
 
 
@@ -170,7 +170,7 @@ def patience_stop(patience: int, key: str = "rejection/accept_len"):
 def run(cfg: RunConfig, workdir: Path, mesh, stop_at_step: int | None = None) -> dict:
     sdir = Path(workdir) / "mtp"
     m = cfg.mtp
-    policy = policies.load(cfg, workdir, mesh)
+    policy = policies.load(cfg.policy, cfg.model, workdir, mesh)
     pol_gd, pol_params, tok, pol_cfg = policy.graphdef, policy.params, policy.tok, policy.cfg
     mtp_gd, mtp_params = policies.init_mtp(cfg, policy, mesh)
     optimizer = make_optimizer(m.optim, m.steps)
@@ -219,9 +219,13 @@ def run(cfg: RunConfig, workdir: Path, mesh, stop_at_step: int | None = None) ->
 
     seq_len = source.tokens.shape[1]
     # Held-out prompts of the distillation's own kind (the RL task), and optionally mixed chat.
-    eval_sets = {"": prompts.prompt_ids(cfg, tok, m.eval_prompts, "eval", cfg.distill.prompts)}
+    eval_sets = {
+        "": prompts.prompt_ids(cfg.task, cfg.seed, tok, m.eval_prompts, "eval", cfg.distill.prompts)
+    }
     if m.eval_mixed_prompts:
-        eval_sets["mixed/"] = prompts.prompt_ids(cfg, tok, m.eval_mixed_prompts, "eval", "mixed")
+        eval_sets["mixed/"] = prompts.prompt_ids(
+            cfg.task, cfg.seed, tok, m.eval_mixed_prompts, "eval", "mixed"
+        )
 
     # Sets of one size share the compiled samplers at one width; else each keeps its own.
     one_size = len({len(ids) for ids in eval_sets.values()}) == 1

@@ -68,7 +68,7 @@ def load_draft_model(cfg: RunConfig, workdir: Path, policy, mesh):
         other = Path(cfg.mtp.init_from)
         if not has_ckpt(other):
             raise FileNotFoundError(f"config key 'mtp.init_from': {other} holds no checkpoint")
-        return policies.load_mtp(cfg, other, policy.cfg, mesh)
+        return policies.load_mtp(cfg.mtp, other, policy.cfg, mesh)
     if not has_ckpt(ckpt_dir):
         if cfg.mtp.init == "checkpoint" and not cfg.mtp.init_from:
             return (*policies.init_mtp(cfg, policy, mesh), None)
@@ -80,7 +80,7 @@ def load_draft_model(cfg: RunConfig, workdir: Path, policy, mesh):
             "rollout.mode='plain' (or mtp.init='checkpoint' to draft with the MTP layers an HF "
             "policy checkpoint ships)"
         )
-    return policies.load_mtp(cfg, ckpt_dir, policy.cfg, mesh)
+    return policies.load_mtp(cfg.mtp, ckpt_dir, policy.cfg, mesh)
 
 
 def run(
@@ -217,7 +217,7 @@ def set_up(cfg: RunConfig, workdir: Path, mesh, task) -> RLRun:
     learner never donates), greedy accuracy before RL, fresh train states, the checkpointer, the
     metrics writer and the weight store."""
     rl, rdir = cfg.rl, Path(workdir) / "rl"
-    policy = policies.load(cfg, workdir, mesh)
+    policy = policies.load(cfg.policy, cfg.model, workdir, mesh)
     task = task or tasks.make_task(cfg.task)
     mtp_gd, mtp_params, vocab = load_draft_model(cfg, workdir, policy, mesh)
     opt = make_optimizer(rl.optim, rl.steps)

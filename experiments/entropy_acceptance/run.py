@@ -126,15 +126,17 @@ def load(spec: dict, runs: dict):
     """(cfg, policy, {name: (mtp graphdef, params, draft vocab)}) on one device."""
     cfg, _ = config_lib.load(str(REPO / spec["config"]), spec["overrides"])
     mesh = sharding.make_mesh(config_lib.MeshConfig(data=1), jax.devices()[:1])
-    pol = policies.load(cfg, runs["tv"], mesh)
-    mtps = {n: policies.load_mtp(cfg, wd / "mtp" / "ckpt", pol.cfg, mesh) for n, wd in runs.items()}
+    pol = policies.load(cfg.policy, cfg.model, runs["tv"], mesh)
+    mtps = {
+        n: policies.load_mtp(cfg.mtp, wd / "mtp" / "ckpt", pol.cfg, mesh) for n, wd in runs.items()
+    }
     return cfg, pol, mtps
 
 
 def rollouts(cfg, pol, mtp, rule: str, temperature: float, spec: dict, layers) -> dict:
     """Speculative rollouts of the held-out task prompts: per emitted drafted token (entropy,
     accepted, draft position) pooled over all rows, plus the run's accept length."""
-    ids = prompts.prompt_ids(cfg, pol.tok, spec["prompts"], "eval", "task")
+    ids = prompts.prompt_ids(cfg.task, cfg.seed, pol.tok, spec["prompts"], "eval", "task")
     toks, lens = sampling.pad_prompts(ids, pol.tok.pad_id)
     scfg = sampling.SamplingConfig(
         temperature=temperature,

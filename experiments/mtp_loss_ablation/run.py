@@ -185,10 +185,10 @@ def heldout(wd: Path, num_prompts: int, batch: int) -> dict:
 
     cfg = config_lib.from_dict(config_lib.RunConfig, json.loads((wd / "config.json").read_text()))
     mesh = sharding.make_mesh(config_lib.MeshConfig(data=1), jax.devices()[:1])
-    policy = policies.load(cfg, wd, mesh)
+    policy = policies.load(cfg.policy, cfg.model, wd, mesh)
     pol = (policy.graphdef, policy.params)
-    mtp_gd, mtp_params, vocab = policies.load_mtp(cfg, wd / "mtp" / "ckpt", policy.cfg, mesh)
-    ids = prompts.prompt_ids(cfg, policy.tok, num_prompts, "eval", "task")
+    mtp_gd, mtp_params, vocab = policies.load_mtp(cfg.mtp, wd / "mtp" / "ckpt", policy.cfg, mesh)
+    ids = prompts.prompt_ids(cfg.task, cfg.seed, policy.tok, num_prompts, "eval", "task")
     toks, lens = sampling.pad_prompts(ids, policy.tok.pad_id)
     scfg = rollout.sampling_config(cfg.rollout, policy.tok)
     spec = speculative.SpecConfig(cfg.mtp.eval_draft, "rejection")
