@@ -302,7 +302,11 @@ class RolloutConfig:
     """Sampling used for rollouts (RL and self-distillation) and speculative decoding."""
 
     temperature: float = 1.0  # sampling temperature (0 = greedy; > 0 for RL)
-    top_p: float = 1.0  # nucleus sampling mass (1 = off)
+    # Nucleus sampling mass (1 = off). With `top_k`, it truncates the sampled distributions:
+    # the policy's and, in speculative rollouts, the draft's (each over its own vocabulary); the
+    # MTP losses measure acceptance between the truncated pair, as verification does
+    # (docs/method.md §4).
+    top_p: float = 1.0
     top_k: int = 0  # keep the k most likely tokens (0 = off)
     max_new_tokens: int = 48  # response length bound
     mode: str = "rejection"  # plain | rejection | target_only
