@@ -80,7 +80,8 @@ def run(cfg: RunConfig, workdir: Path, mesh) -> dict:
     d = cfg.distill
     policy = policies.load(cfg, workdir, mesh)
     graphdef, params, tok = policy.graphdef, policy.params, policy.tok
-    ids = prompts.blend(cfg, tok, d.num_samples, "distill", d.prompts, d.mixed_fraction)
+    limits = prompts.PromptLimits.of(cfg, policy.cfg)  # checked before a sampler allocates
+    ids = prompts.blend(cfg, tok, d.num_samples, "distill", d.prompts, d.mixed_fraction, limits)
     draft = None
     if d.draft_from:
         mtp_gd, mtp_params, vocab = policies.load_mtp(cfg, Path(d.draft_from), policy.cfg, mesh)

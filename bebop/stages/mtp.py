@@ -265,9 +265,13 @@ def run(cfg: RunConfig, workdir: Path, mesh, stop_at_step: int | None = None) ->
 
     seq_len = source.tokens.shape[1]
     # Held-out prompts of the distillation's own kind (the RL task), and optionally mixed chat.
-    eval_sets = {"": prompts.prompt_ids(cfg, tok, m.eval_prompts, "eval", cfg.distill.prompts)}
+    limits = prompts.PromptLimits.of(cfg, pol_cfg)  # checked before a sampler allocates
+    eval_sets = {
+        "": prompts.prompt_ids(cfg, tok, m.eval_prompts, "eval", cfg.distill.prompts, limits)
+    }
     if m.eval_mixed_prompts:
-        eval_sets["mixed/"] = prompts.prompt_ids(cfg, tok, m.eval_mixed_prompts, "eval", "mixed")
+        n = m.eval_mixed_prompts
+        eval_sets["mixed/"] = prompts.prompt_ids(cfg, tok, n, "eval", "mixed", limits)
 
     # Sets of one size share the compiled samplers at one width; else each keeps its own.
     one_size = len({len(ids) for ids in eval_sets.values()}) == 1
