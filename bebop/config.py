@@ -76,6 +76,11 @@ class ModelConfig:
     head_dim: int = 32  # per-head width (even: RoPE)
     ffw_dim: int = 384  # SwiGLU hidden width F
     rope_theta: float = 10000.0  # RoPE base frequency
+    # Positions the model supports: a prompt with its new tokens (and the positions speculative
+    # verification computes past them) must fit, checked per record before any sampler allocates
+    # a cache (`prompts.PromptLimits`). A gguf/hf policy's comes from its checkpoint
+    # (`max_position_embeddings`, GGUF `context_length`).
+    max_positions: int = 32768
     norm_eps: float = 1e-6  # RMSNorm epsilon
     qkv_bias: bool = False  # Qwen2
     qk_norm: bool = False  # Qwen3
@@ -111,7 +116,7 @@ class ModelConfig:
 
     def validate(self, p: str = "model.") -> None:
         _positive(self, p, "vocab_size", "dim", "num_layers", "num_heads", "num_kv_heads")
-        _positive(self, p, "head_dim", "ffw_dim", "rope_theta", "norm_eps")
+        _positive(self, p, "head_dim", "ffw_dim", "rope_theta", "norm_eps", "max_positions")
         _require(
             self.num_heads % self.num_kv_heads == 0,
             f"{p}num_kv_heads",
@@ -294,6 +299,9 @@ TINY_KINDS = ("llama", "qwen2", "qwen3")
 
 
 MAX_NEW_TOKENS = 32768  # rollouts longer than this are a typo, not a plan (KV caches grow with it)
+# A sampler's KV caches (per device) beyond this are a typo or a damaged record, not a plan: the
+# config check of the demo policy's rollouts, and every prompt's check (`prompts.PromptLimits`).
+KV_CACHE_LIMIT_BYTES = 64 * 2**30
 MAX_DRAFT = 64  # drafted tokens per verify step (γ): acceptance of a longer chain is ~0
 
 
@@ -302,7 +310,11 @@ class RolloutConfig:
     """Sampling used for rollouts (RL and self-distillation) and speculative decoding."""
 
     temperature: float = 1.0  # sampling temperature (0 = greedy; > 0 for RL)
-    top_p: float = 1.0  # nucleus sampling mass (1 = off)
+    # Nucleus sampling mass (1 = off). With `top_k`, it truncates the sampled distributions:
+    # the policy's and, in speculative rollouts, the draft's (each over its own vocabulary); the
+    # MTP losses measure acceptance between the truncated pair, as verification does
+    # (docs/method.md §4).
+    top_p: float = 1.0
     top_k: int = 0  # keep the k most likely tokens (0 = off)
     max_new_tokens: int = 48  # response length bound
     mode: str = "rejection"  # plain | rejection | target_only
@@ -587,7 +599,7 @@ class RunConfig:
                 v.validate(f.name + ".")
         self._check_kv_cache()
 
-    def _check_kv_cache(self, limit_bytes: int = 64 * 2**30) -> None:
+    def _check_kv_cache(self, limit_bytes: int = KV_CACHE_LIMIT_BYTES) -> None:
         """Rollout KV caches of the demo policy (`policy.source=sft`, whose architecture is known
         before loading) must fit a generous bound; a gguf/hf policy's is checked by its length
         bound only."""

@@ -522,26 +522,38 @@ MAX_PROMPT_TOKENS = 16384
 
 
 class PromptTooLongError(DamagedFileError):
-    """A task prompt exceeds `MAX_PROMPT_TOKENS`; the message names the record."""
+    """A task prompt exceeds `MAX_PROMPT_TOKENS` (or, `prompts.PromptDoesNotFitError`, the run's
+    positions or KV cache bound); the message names the record."""
 
 
-def _checked(prompt_ids):
-    def checked(tok, problem) -> list[int]:
-        ids = prompt_ids(tok, problem)
-        if len(ids) > MAX_PROMPT_TOKENS:
-            where = getattr(problem, "where", "") or f"the problem {str(problem)[:80]!r}"
+def record_name(problem) -> str:
+    """How an error names a problem: "file:line" of a file's record, else the problem itself."""
+    return getattr(problem, "where", "") or f"the problem {str(problem)[:80]!r}"
+
+
+def checked(task: Task, limits=None) -> Task:
+    """`task` whose `prompt_ids` checks each prompt before any sampler allocates a cache for it:
+    against `MAX_PROMPT_TOKENS`, and with `limits` (`prompts.PromptLimits`: `limits.check(n,
+    where)`) against the policy's positions and the run's samplers' KV caches."""
+    prompt_ids = task.prompt_ids
+
+    def ids(tok, problem) -> list[int]:
+        out = prompt_ids(tok, problem)
+        if len(out) > MAX_PROMPT_TOKENS:
             raise PromptTooLongError(
-                f"{where}: the prompt is {len(ids)} tokens, more than the supported "
-                f"{MAX_PROMPT_TOKENS} (with the new tokens it would not fit the model's positions "
-                "or the KV cache)"
+                f"{record_name(problem)}: the prompt is {len(out)} tokens, more than the "
+                f"supported {MAX_PROMPT_TOKENS} (with the new tokens it would not fit the model's "
+                "positions or the KV cache)"
             )
-        return ids
+        if limits is not None:
+            limits.check(len(out), record_name(problem))
+        return out
 
-    return checked
+    return dataclasses.replace(task, prompt_ids=ids)
 
 
-def make_task(cfg: TaskConfig) -> Task:
-    """The task `cfg` names; its prompts are checked against `MAX_PROMPT_TOKENS` before any
-    sampler allocates a cache for them."""
-    task = TASKS[cfg.name](cfg)
-    return dataclasses.replace(task, prompt_ids=_checked(task.prompt_ids))
+def make_task(cfg: TaskConfig, limits=None) -> Task:
+    """The task `cfg` names; its prompts are checked (`checked`: against `MAX_PROMPT_TOKENS`,
+    and with `limits` against the policy and the run's samplers) before any sampler allocates a
+    cache for them."""
+    return checked(TASKS[cfg.name](cfg), limits)

@@ -500,7 +500,10 @@ def programs(st: Setup, s: dict, names=None) -> dict:
         )
         for i, name in enumerate(names_):
             fn = make_train_step(
-                mtp_loss(s["pol_gd"], s["mtp_gd"], name, m.train_steps, m.chunk, temp, None),
+                mtp_loss(
+                    *(s["pol_gd"], s["mtp_gd"], name, m.train_steps, m.chunk, temp, None),
+                    *(cfg.rollout.top_k, cfg.rollout.top_p),
+                ),
                 s["mtp_train_opt"],
             )
             b = MTPBatch(

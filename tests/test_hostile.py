@@ -15,14 +15,16 @@ import numpy as np
 import pytest
 
 from bebop import config as config_lib
-from bebop import model, policies, rewards, sampling, sharding, tasks
+from bebop import model, policies, prompts, rewards, rollout, sampling, sharding, tasks
 from bebop import mtp as mtp_lib
+from bebop.checkpoints import hf
 from bebop.checkpoints.tokenizer_files import write_tokenizer
 from bebop.ckpt import Checkpointer, CheckpointRestoreError, restore_params
 from bebop.config import ConfigError, MeshConfig, ModelConfig, RunConfig, TaskConfig
 from bebop.finite import NonFiniteWeightsError
 from bebop.io import DamagedFileError
 from bebop.rl import grpo
+from bebop.stages import sft
 from bebop.tokenizer import CharTokenizer
 
 from . import hostile_fns
@@ -211,6 +213,89 @@ def test_a_prompt_longer_than_the_supported_length_is_refused_naming_the_record(
         task.prompt_ids(_CharChat(), long[0])
     short = [p for p in probs if p is not long[0]][0]
     assert len(task.prompt_ids(_CharChat(), short)) < 100
+
+
+def _jsonl_demo(tmp_path, long_prompt: str, *overrides):
+    """The demo (runlocal) on a 5-record jsonl task whose first held-out record (the permutation
+    of `tasks._file_task`) is `long_prompt`; returns (cfg, its "file:line")."""
+    held = int(np.random.default_rng(0).permutation(5)[0])
+    rows = [{"prompt": f"{i}+1=", "answer": i + 1} for i in range(5)]
+    rows[held] = {"prompt": long_prompt, "answer": 1}
+    f = tmp_path / "t.jsonl"
+    f.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    args = ["task.name='jsonl'", f"task.path='{f}'", "task.eval_size=2", *overrides]
+    return config_lib.load(DEMO + ":runlocal", args)[0], f"t.jsonl:{held + 1}"
+
+
+def test_a_prompt_past_the_policys_positions_is_refused_naming_the_record_before_any_cache(
+    tmp_path, monkeypatch
+):
+    """A record whose prompt (124 tokens with BOS) with the run's 32 new tokens and the 2 drafted
+    past them needs 158 positions of a policy with 128: the greedy evaluation (RL's, SFT's
+    sampler) and the prompt sets (distillation, MTP evaluation) stop with a config error naming
+    the record, its length, the new tokens, the limit and the keys, before a cache exists."""
+    cfg, where = _jsonl_demo(tmp_path, "1+" * 61 + "1", "model.max_positions=128")
+    monkeypatch.setattr(model, "new_cache", lambda *a: pytest.fail("a KV cache was allocated"))
+    limits = prompts.PromptLimits.of(cfg, cfg.model)
+    task = tasks.make_task(cfg.task, limits)
+    pol = model.abstract(cfg.model)  # never run: the check comes first
+    want = (
+        rf"{where}: the prompt is 124 tokens; with 32 new tokens \(config key "
+        r"'rollout\.max_new_tokens'\) \+ 2 drafted past them \(speculative verification\) it "
+        r"needs 158 positions, more than the 128 the policy supports \(config key "
+        r"'model\.max_positions'\)\. Shorten or drop the record, or lower config key "
+        r"'rollout\.max_new_tokens'"
+    )
+    with pytest.raises(prompts.PromptDoesNotFitError, match=want) as e:
+        rollout.greedy_accuracy(pol, CharTokenizer(), task, cfg.seed, 2, 32)
+    assert isinstance(e.value, ConfigError)  # launch.py: "config error: ...", exit 2
+    with pytest.raises(prompts.PromptDoesNotFitError, match=want):
+        prompts.prompt_ids(cfg.task, cfg.seed, CharTokenizer(), 2, "eval", "task", limits)
+    # the same record fits a policy with 8 more positions; the other records fit anyway
+    roomy = dataclasses.replace(limits, max_positions=158)
+    assert (
+        len(prompts.prompt_ids(cfg.task, cfg.seed, CharTokenizer(), 2, "eval", "task", roomy)[0])
+        == 124
+    )
+    short = tasks.make_task(cfg.task, limits).prompt_ids
+    assert len(short(CharTokenizer(), tasks.make_task(cfg.task).problem(0, 0))) <= 5
+    # SFT's greedy evaluation: the arithmetic prompts against `sft.seq_len` new tokens
+    tiny, _ = config_lib.load(DEMO + ":runlocal", ["model.max_positions=16"])
+    with pytest.raises(prompts.PromptDoesNotFitError, match=r"'sft\.seq_len'.*'model\."):
+        sft.evaluate(*model.abstract(tiny.model), tiny, CharTokenizer(), 4)
+
+
+def test_a_gsm8k_record_past_a_checkpoints_positions_or_the_kv_cache_bound_is_named(tmp_path):
+    """A Qwen3-4B run (its config.json: 40,960 positions): a 14,999-token question fits the
+    16,384-token prompt bound, but with 32,768 new tokens not the positions; with 1,024 new tokens
+    a distillation batch of 256 rows of it would allocate ~150 GiB of KV cache on one device."""
+    f = tmp_path / "g.jsonl"
+    rows = [{"question": f"What is {i}+1?", "answer": f"#### {i + 1}"} for i in range(4)]
+    rows.insert(1, {"question": "w" * 14_950, "answer": "#### 1"})
+    f.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    arch = hf.known_architecture("qwen3-4b", dtype="bfloat16")
+    gpu = str(REPO / "configs/qwen3_gpu.py")
+    task_keys = ["task.name='gsm8k'", f"task.path='{f}'", "task.eval_size=1", "policy.path='/q'"]
+    for new, want in [
+        (
+            32768,
+            r"g\.jsonl:2: the prompt is 14999 tokens; with 32768 new tokens .* it needs 47770 "
+            r"positions, more than the 40960 the policy supports \(max_position_embeddings of "
+            r"the policy's config\.json\)",
+        ),
+        (
+            1024,
+            r"g\.jsonl:2: the prompt is 14999 tokens; a batch of 256 rows \(distill\.batch_size\) "
+            r"with it allocates KV caches of 17408 slots per row \(16384 prompt \+ 1024 new\), "
+            r"612\.0 GiB per device \(1 device\(s\) share the rows\), more than the 64\.0 GiB of "
+            r"the KV cache bound\. .*'rollout\.max_new_tokens' or 'distill\.batch_size'",
+        ),
+    ]:
+        cfg = config_lib.load(gpu, [*task_keys, f"rollout.max_new_tokens={new}"])[0]
+        task = tasks.make_task(cfg.task, prompts.PromptLimits.of(cfg, arch))
+        long = [task.problem(0, i) for i in range(4) if len(task.problem(0, i).question) > 99]
+        with pytest.raises(prompts.PromptDoesNotFitError, match=want):
+            task.prompt_ids(_CharChat(), long[0])
 
 
 # ---------------------------------------------------------------------- 7: mtp.init_from elsewhere

@@ -88,27 +88,47 @@ def test_draft_vocabulary_mtp_loss_trains_only_the_mtp(setup):
 
 
 @pytest.mark.parametrize(
-    "vocab, temperature", [(None, 1.0), (np.array([0, 2, 5, 7, 11]), 0.7)], ids=["full", "vocab"]
+    "vocab, temperature, cut",
+    [
+        (None, 1.0, {}),
+        (np.array([0, 2, 5, 7, 11]), 0.7, {}),
+        (np.array([0, 2, 5, 7, 11]), 0.7, {"top_k": 9, "top_p": 0.8}),
+    ],
+    ids=["full", "vocab", "vocab-truncated"],
 )
-def test_cached_hiddens_and_normalisers_give_the_same_loss_and_gradient(setup, vocab, temperature):
-    """`mtp.cache_hidden`: hiddens and the target's full-vocabulary log-normalisers computed once
+def test_cached_hiddens_and_normalisers_give_the_same_loss_and_gradient(
+    setup, vocab, temperature, cut
+):
+    """`mtp.cache_hidden`: hiddens and the target's full-vocabulary normalisers (with the
+    sampler's truncation: its support floor and the normaliser over its support) computed once
     (batches of 2, the last one padded) give the loss and gradient of computing them per step."""
     pol_gd, mtp_gd, mtp_params, pol_params, batch = setup
-    fn = mtp_loss(pol_gd, mtp_gd, "e2e_tv", 3, 8, temperature, vocab=vocab)
+    fn = mtp_loss(pol_gd, mtp_gd, "e2e_tv", 3, 8, temperature, vocab=vocab, **cut)
     tokens = np.asarray(batch.tokens)
-    hiddens, lse = policy_hiddens(pol_gd, pol_params, tokens, 2, temperature)
-    assert hiddens.shape == (*tokens.shape, 32) and lse.shape == tokens.shape
+    hiddens, stats = policy_hiddens(pol_gd, pol_params, tokens, 2, temperature, **cut)
+    assert hiddens.shape == (*tokens.shape, 32)
+    assert sorted(stats) == sorted(["target_lse"] + ["target_floor", "target_lse_kept"] * bool(cut))
+    assert all(v.shape == tokens.shape for v in stats.values())
     # the normaliser is the policy's own: log Σ_v exp(logits / T) over all 23 tokens
     logits = model.forward(pol_gd, pol_params, tokens, np.broadcast_to(np.arange(12), (3, 12)))
     want = jax.scipy.special.logsumexp(logits[0] / temperature, axis=-1)
-    np.testing.assert_allclose(lse, want, atol=1e-5)
+    np.testing.assert_allclose(stats["target_lse"], want, atol=1e-5)
+    if cut:  # over the sampler's support: the tokens `process_logits` keeps, 9 of 23 at most
+        scfg = sampling.SamplingConfig(temperature=temperature, **cut)
+        kept = np.isfinite(np.asarray(sampling.process_logits(logits[0], scfg)))
+        z = np.asarray(logits[0] / temperature)
+        np.testing.assert_array_equal(z >= stats["target_floor"][..., None], kept)
+        want = jax.scipy.special.logsumexp(np.where(kept, z, -np.inf), axis=-1)
+        np.testing.assert_allclose(stats["target_lse_kept"], want, atol=1e-5)
+        assert 1 <= kept.sum(-1).min() and kept.sum(-1).max() <= 9
     # split over a mesh (each device computes its share of each batch, then gathered): the same
     mesh = sharding.make_mesh(MeshConfig(data=2), jax.devices()[:2])
     rows = sharding.process_rows(mesh, 2)
-    split = policy_hiddens(pol_gd, pol_params, tokens, 2, temperature, mesh, rows)
+    split = policy_hiddens(pol_gd, pol_params, tokens, 2, temperature, mesh, rows, **cut)
     np.testing.assert_allclose(split[0], hiddens, atol=1e-5)
-    np.testing.assert_allclose(split[1], lse, atol=1e-5)
-    cached = batch.replace(hidden=hiddens, target_lse=lse)
+    for k, v in stats.items():
+        np.testing.assert_allclose(split[1][k], v, atol=1e-5)
+    cached = batch.replace(hidden=hiddens, **stats)
     (l0, _), g0 = jax.value_and_grad(fn, has_aux=True)(mtp_params, batch, None, pol_params)
     (l1, _), g1 = jax.value_and_grad(fn, has_aux=True)(mtp_params, cached, None, pol_params)
     np.testing.assert_allclose(l0, l1, rtol=1e-5)
@@ -118,7 +138,7 @@ def test_cached_hiddens_and_normalisers_give_the_same_loss_and_gradient(setup, v
 
 def test_cached_target_is_reused_only_for_the_same_tokens_policy_and_temperature(setup, tmp_path):
     """The on-disk target cache (`cached_target`) is read back for the same distill tokens, policy
-    weights and T, and recomputed -- never reused -- when any of them changes."""
+    weights, T and truncation, and recomputed -- never reused -- when any of them changes."""
     pol_gd, _, _, params, batch = setup
     tokens = np.asarray(batch.tokens)
     first = cached_target(tmp_path, pol_gd, params, tokens, 2, 1.0)
@@ -137,7 +157,13 @@ def test_cached_target_is_reused_only_for_the_same_tokens_policy_and_temperature
     hot = cached_target(tmp_path, pol_gd, params, tokens, 2, 0.5)  # its own directory
     assert not isinstance(hot["hidden"], np.memmap)
     assert np.abs(hot["target_lse"] - first["target_lse"]).max() > 1e-3
-    assert sorted(d.name for d in tmp_path.iterdir()) == ["target_T0.5", "target_T1"]
+    cut = cached_target(tmp_path, pol_gd, params, tokens, 2, 1.0, top_k=4)  # its own too
+    assert not isinstance(cut["hidden"], np.memmap) and "target_floor" in cut
+    again = cached_target(tmp_path, pol_gd, params, tokens, 2, 1.0, top_k=4)
+    assert isinstance(again["target_floor"], np.memmap)
+    np.testing.assert_array_equal(again["target_lse_kept"], cut["target_lse_kept"])
+    want = ["target_T0.5", "target_T1", "target_T1_k4_p1"]
+    assert sorted(d.name for d in tmp_path.iterdir()) == want
 
 
 def test_mtp_initialised_from_the_last_backbone_layer(tiny_cfg):

@@ -117,6 +117,7 @@ def read(path, dtype="float32", scan_layers=True, param_dtype="float32"):
         head_dim=int(meta.get("llama.rope.dimension_count", dim // heads)),
         ffw_dim=int(meta["llama.feed_forward_length"]),
         rope_theta=float(meta.get("llama.rope.freq_base", 10000.0)),
+        max_positions=int(meta.get("llama.context_length", ModelConfig.max_positions)),
         norm_eps=float(meta["llama.attention.layer_norm_rms_epsilon"]),
         tie_embeddings="output.weight" not in names,
         dtype=dtype,

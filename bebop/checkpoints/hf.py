@@ -66,6 +66,11 @@ def config_from_hf(
         if not isinstance(hf[k], int) or isinstance(hf[k], bool) or hf[k] <= 0:
             raise CheckpointError(f"{source}: {k} must be a positive integer, got {hf[k]!r}")
     heads = hf["num_attention_heads"]
+    positions = hf.get("max_position_embeddings", ModelConfig.max_positions)
+    if not isinstance(positions, int) or isinstance(positions, bool) or positions <= 0:
+        raise CheckpointError(
+            f"{source}: max_position_embeddings must be a positive integer, got {positions!r}"
+        )
     return ModelConfig(
         vocab_size=hf["vocab_size"],
         dim=hf["hidden_size"],
@@ -75,6 +80,7 @@ def config_from_hf(
         head_dim=hf.get("head_dim") or hf["hidden_size"] // heads,
         ffw_dim=hf["intermediate_size"],
         rope_theta=float(theta),
+        max_positions=positions,
         norm_eps=float(hf.get("rms_norm_eps", 1e-6)),
         qkv_bias=model_type == "qwen2" or bool(hf.get("attention_bias", False)),
         qk_norm=model_type == "qwen3",
@@ -119,7 +125,7 @@ def config_to_hf(cfg: ModelConfig, model_type: str) -> dict:
         "attention_bias": cfg.qkv_bias,
         "tie_word_embeddings": cfg.tie_embeddings,
         "hidden_act": "silu",
-        "max_position_embeddings": 32768,
+        "max_position_embeddings": cfg.max_positions,
         "torch_dtype": "float32",
     }
 

@@ -41,7 +41,10 @@ def kind_of(path: str) -> str | None:
 
 def model_config(kind: str, vocab_size: int) -> ModelConfig:
     flags = {k: v for k, v in KINDS[kind].items() if k != "max_position_embeddings"}
-    return ModelConfig(vocab_size=vocab_size, tie_embeddings=True, **SHAPE, **flags)
+    positions = KINDS[kind]["max_position_embeddings"]
+    return ModelConfig(
+        vocab_size=vocab_size, tie_embeddings=True, max_positions=positions, **SHAPE, **flags
+    )
 
 
 def random_params(cfg: ModelConfig, seed: int, std: float = 0.1):

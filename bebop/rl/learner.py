@@ -177,7 +177,10 @@ def build(
 
     loss_name, train_steps = mtp_objective(cfg)
     temp = max(cfg.rollout.temperature, 1e-3)
-    mtp_fn = mtp_loss(pol_gd, mtp_gd, loss_name, train_steps, cfg.mtp.chunk, temp, vocab)
+    # the verifier's distributions: the rollout sampler's temperature and truncation
+    mtp_fn = mtp_loss(
+        pol_gd, mtp_gd, loss_name, train_steps, cfg.mtp.chunk, temp, vocab, scfg.top_k, scfg.top_p
+    )
     rows = rl.prompts_per_step * rl.group_size
     inner_mtp = make_train_step(mtp_fn, mtp_opt, donate=False, jit=False)
 

@@ -80,8 +80,9 @@ def run(cfg: RunConfig, workdir: Path, mesh) -> dict:
     d = cfg.distill
     policy = policies.load(cfg.policy, cfg.model, workdir, mesh)
     graphdef, params, tok = policy.graphdef, policy.params, policy.tok
+    limits = prompts.PromptLimits.of(cfg, policy.cfg)  # checked before a sampler allocates
     ids = prompts.blend(
-        cfg.task, cfg.seed, tok, d.num_samples, "distill", d.prompts, d.mixed_fraction
+        cfg.task, cfg.seed, tok, d.num_samples, "distill", d.prompts, d.mixed_fraction, limits
     )
     draft = None
     if d.draft_from:

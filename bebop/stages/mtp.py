@@ -12,10 +12,12 @@ policy entropy and the analytic acceptance Σ min(p, q) of the drafted positions
 `mtp.draft_vocab = K`: the draft head keeps the K tokens most frequent in the distill responses
 (`mtp.select_draft_vocab`), saved as `DIR/mtp/draft_vocab.npy` for the samplers.
 `mtp.cache_hidden`: everything of the frozen target computed once over the distill set
-(`policy_hiddens`: hiddens and the full-vocabulary log-normalisers, kept on disk next to the
-distill data by `cached_target`), so a step costs only the MTP's own work. `mtp.init`: random or
-the backbone's last layer. `mtp.patience`: stop once the held-out RS accept length stops
-improving. `mtp.eval_mixed_prompts`: also evaluate on mixed chat.
+(`policy_hiddens`: hiddens and the full-vocabulary normalisers, with `rollout.top_k` /
+`rollout.top_p` also each position's support, kept on disk next to the distill data by
+`cached_target`), so a step costs only the MTP's own work. The losses run at the rollout's
+temperature and truncation: what they measure is the acceptance the rollouts' verifier has.
+`mtp.init`: random or the backbone's last layer. `mtp.patience`: stop once the held-out RS accept
+length stops improving. `mtp.eval_mixed_prompts`: also evaluate on mixed chat.
 """
 
 from __future__ import annotations
@@ -34,7 +36,7 @@ from bebop.config import RunConfig
 from bebop.fit import fit
 from bebop.metrics import Progress
 from bebop.mtp import load_draft_vocab, select_draft_vocab  # noqa: F401 - re-exported
-from bebop.mtp_losses import MTPBatch, mtp_loss, target_lse
+from bebop.mtp_losses import MTPBatch, mtp_loss, target_stats, truncates
 from bebop.train import TrainState, make_optimizer, make_train_step, schedule
 
 
@@ -63,10 +65,19 @@ def evaluate(
 
 
 def policy_hiddens(
-    pol_gd, pol_params, tokens_NxS, batch_size: int, temperature: float = 1.0, mesh=None, rows=None
+    pol_gd,
+    pol_params,
+    tokens_NxS,
+    batch_size: int,
+    temperature: float = 1.0,
+    mesh=None,
+    rows=None,
+    top_k: int = 0,
+    top_p: float = 1.0,
 ):
-    """The frozen policy's last hidden states `[N, S, D]` and the log-normaliser of its
-    distribution at `temperature` over the full vocabulary `[N, S]` (host, float32), per row:
+    """The frozen policy's last hidden states `[N, S, D]` and the normalisers of its distribution
+    at `temperature` (and the sampler's `top_k` / `top_p`) over the full vocabulary
+    (`mtp_losses.TargetStats` fields by `MTPBatch` name, each `[N, S]`; host, float32), per row:
     everything of the target that does not change while only the MTP trains. With `mesh` (and
     `rows`, this process's rows of a batch: `sharding.process_rows`), each batch is split over
     the mesh's batch axis, so every device computes only its share, and gathered."""
@@ -76,14 +87,22 @@ def policy_hiddens(
         policy = nnx.merge(pol_gd, params)
         positions = jnp.broadcast_to(jnp.arange(tokens_BxS.shape[1]), tokens_BxS.shape)
         hidden = policy.hidden(tokens_BxS, positions)[0]
-        lse = target_lse(policy.final_norm(hidden), policy.head_matrix(), temperature=temperature)
-        return hidden.astype(jnp.float32), lse
+        stats = target_stats(
+            policy.final_norm(hidden),
+            policy.head_matrix(),
+            temperature=temperature,
+            top_k=top_k,
+            top_p=top_p,
+        )
+        fields = {"target_lse": stats.lse, "target_floor": stats.floor}
+        fields["target_lse_kept"] = stats.lse_kept
+        return hidden.astype(jnp.float32), {k: v for k, v in fields.items() if v is not None}
 
     n = tokens_NxS.shape[0]
     if mesh is not None and rows is None:
         rows = sharding.process_rows(mesh, batch_size)
     mine = np.arange(batch_size) if rows is None else rows
-    hiddens = lses = None
+    hiddens, stats = None, {}
     bar = Progress(n, 0, "mtp target cache")  # minutes on a CPU for a real policy
     try:
         for start in range(0, n, batch_size):
@@ -92,60 +111,85 @@ def policy_hiddens(
             batch = np.pad(chunk, ((0, pad), (0, 0)))
             if mesh is not None:
                 batch = sharding.batch_from_process_rows(batch[mine], mesh, batch_size)
-            h, lse = sharding.to_host(fn(pol_params, batch))
+            h, st = sharding.to_host(fn(pol_params, batch))
             if hiddens is None:
                 hiddens = np.empty((n,) + h.shape[1:], np.float32)
-                lses = np.empty((n,) + lse.shape[1:], np.float32)
+                stats = {k: np.empty((n,) + v.shape[1:], np.float32) for k, v in st.items()}
             hiddens[start : start + chunk.shape[0]] = h[: chunk.shape[0]]
-            lses[start : start + chunk.shape[0]] = lse[: chunk.shape[0]]
+            for k, v in st.items():
+                stats[k][start : start + chunk.shape[0]] = v[: chunk.shape[0]]
             bar.update(chunk.shape[0], chunk.size)
     finally:
         bar.close()
-    return hiddens, lses
+    return hiddens, stats
 
 
-def _fingerprint(tokens_NxS, pol_params, temperature: float) -> str:
-    """What the cached target depends on: the distill tokens, the policy's weights, T."""
+def _fingerprint(tokens_NxS, pol_params, temperature: float, top_k=0, top_p=1.0) -> str:
+    """What the cached target depends on: the distill tokens, the policy's weights, T and the
+    sampler's truncation."""
     h = hashlib.sha256(np.ascontiguousarray(tokens_NxS).tobytes())
     for leaf in jax.tree.leaves(sharding.to_host(pol_params)):
         h.update(np.ascontiguousarray(leaf).tobytes())
     h.update(repr(float(temperature)).encode())
+    if truncates(top_k, top_p):
+        h.update(repr((int(top_k), float(top_p))).encode())
     return h.hexdigest()
 
 
 def cached_target(
-    distill_dir: Path, pol_gd, pol_params, tokens_NxS, batch_size, temperature, mesh=None, rows=None
+    distill_dir: Path,
+    pol_gd,
+    pol_params,
+    tokens_NxS,
+    batch_size,
+    temperature,
+    mesh=None,
+    rows=None,
+    top_k: int = 0,
+    top_p: float = 1.0,
 ):
-    """`policy_hiddens` kept on disk next to the distill data (`target_T{T}/`), keyed by a hash of
-    the tokens, the policy's weights and T: every MTP run on the same data and policy (the
-    init comparison, the loss ablation, a rerun) pays the backbone pass once. Read memory-mapped;
+    """`policy_hiddens` kept on disk next to the distill data (`target_T{T}/`, with a truncating
+    sampler `target_T{T}_k{top_k}_p{top_p}/`), keyed by a hash of the tokens, the policy's
+    weights, T and the truncation: every MTP run on the same data and policy (the init
+    comparison, the loss ablation, a rerun) pays the backbone pass once. Read memory-mapped;
     a cache from other data or another policy is recomputed, never used. `mesh`, `rows`: the
     pass split over the mesh (`policy_hiddens`; its gathers are collectives, so every process
     must see the same `distill_dir`, as for checkpoints)."""
     temperature = max(temperature, 1e-3)
-    cdir = Path(distill_dir) / f"target_T{temperature:g}"
-    key = _fingerprint(tokens_NxS, pol_params, temperature)
+    name = f"target_T{temperature:g}"
+    if truncates(top_k, top_p):
+        name += f"_k{top_k}_p{top_p:g}"
+    cdir = Path(distill_dir) / name
+    key = _fingerprint(tokens_NxS, pol_params, temperature, top_k, top_p)
     meta = cdir / "meta.json"
+    fields = ["target_lse"] + (
+        ["target_floor", "target_lse_kept"] if truncates(top_k, top_p) else []
+    )
     if meta.exists() and io.read_json(meta).get("fingerprint") == key:
         hid = io.load_array(cdir / "hidden.npy", ndim=3, kind="f", mmap=True)
-        lse = io.load_array(cdir / "target_lse.npy", ndim=2, kind="f", mmap=True)
-        if hid.shape[:2] == lse.shape == tuple(tokens_NxS.shape):
+        stats = {k: io.load_array(cdir / f"{k}.npy", ndim=2, kind="f", mmap=True) for k in fields}
+        want = tuple(tokens_NxS.shape)
+        if hid.shape[:2] == want and all(v.shape == want for v in stats.values()):
             logging.info("mtp: target hiddens from %s", cdir)
-            return {"hidden": hid, "target_lse": lse}
+            return {"hidden": hid, **stats}
         logging.warning(
             "mtp: %s has shapes %s/%s for tokens %s; recomputing",
             cdir,
             hid.shape,
-            lse.shape,
+            [v.shape for v in stats.values()],
             tokens_NxS.shape,
         )
-    hid, lse = policy_hiddens(pol_gd, pol_params, tokens_NxS, batch_size, temperature, mesh, rows)
+    hid, stats = policy_hiddens(
+        pol_gd, pol_params, tokens_NxS, batch_size, temperature, mesh, rows, top_k, top_p
+    )
     if sharding.is_primary():  # the others computed the same arrays
         cdir.mkdir(parents=True, exist_ok=True)
         io.save_array_atomic(cdir / "hidden.npy", hid)
-        io.save_array_atomic(cdir / "target_lse.npy", lse)
-        io.write_json_atomic(meta, {"fingerprint": key, "temperature": temperature})
-    return {"hidden": hid, "target_lse": lse}
+        for k, v in stats.items():
+            io.save_array_atomic(cdir / f"{k}.npy", v)
+        meta_json = {"fingerprint": key, "temperature": temperature, "top_k": top_k, "top_p": top_p}
+        io.write_json_atomic(meta, meta_json)
+    return {"hidden": hid, **stats}
 
 
 def load_trained(cfg: RunConfig, workdir: Path, pol_cfg, mesh):
@@ -186,10 +230,11 @@ def run(cfg: RunConfig, workdir: Path, mesh, stop_at_step: int | None = None) ->
         sdir.mkdir(parents=True, exist_ok=True)
         if sharding.is_primary():  # every process selected the same vocabulary
             io.save_array_atomic(sdir / "draft_vocab.npy", vocab)
-    temp = cfg.rollout.temperature
+    r = cfg.rollout
+    temp, cut = r.temperature, dict(top_k=r.top_k, top_p=r.top_p)  # the verifier's p and q
     steps = {
         name: make_train_step(
-            mtp_loss(pol_gd, mtp_gd, name, m.train_steps, m.chunk, temp, vocab), optimizer
+            mtp_loss(pol_gd, mtp_gd, name, m.train_steps, m.chunk, temp, vocab, **cut), optimizer
         )
         for name in {m.loss, m.warmup_loss}
     }
@@ -211,6 +256,7 @@ def run(cfg: RunConfig, workdir: Path, mesh, stop_at_step: int | None = None) ->
             temp,
             mesh,
             rows,
+            **cut,
         )
 
     def make_batch(b):
@@ -219,12 +265,15 @@ def run(cfg: RunConfig, workdir: Path, mesh, stop_at_step: int | None = None) ->
 
     seq_len = source.tokens.shape[1]
     # Held-out prompts of the distillation's own kind (the RL task), and optionally mixed chat.
-    eval_sets = {
-        "": prompts.prompt_ids(cfg.task, cfg.seed, tok, m.eval_prompts, "eval", cfg.distill.prompts)
-    }
+    limits = prompts.PromptLimits.of(cfg, pol_cfg)  # checked before a sampler allocates
+    ids = prompts.prompt_ids(
+        cfg.task, cfg.seed, tok, m.eval_prompts, "eval", cfg.distill.prompts, limits
+    )
+    eval_sets = {"": ids}
     if m.eval_mixed_prompts:
+        n = m.eval_mixed_prompts
         eval_sets["mixed/"] = prompts.prompt_ids(
-            cfg.task, cfg.seed, tok, m.eval_mixed_prompts, "eval", "mixed"
+            cfg.task, cfg.seed, tok, n, "eval", "mixed", limits
         )
 
     # Sets of one size share the compiled samplers at one width; else each keeps its own.

@@ -38,7 +38,7 @@ import jax
 import numpy as np
 
 from bebop import config as config_lib
-from bebop import io, policies, rollout, sharding, tasks
+from bebop import io, policies, prompts, rollout, sharding, tasks
 from bebop.ckpt import Checkpointer, CheckpointRestoreError
 from bebop.config import RunConfig
 from bebop.fit import Interrupted, Preempted, preempted
@@ -218,7 +218,7 @@ def set_up(cfg: RunConfig, workdir: Path, mesh, task) -> RLRun:
     metrics writer and the weight store."""
     rl, rdir = cfg.rl, Path(workdir) / "rl"
     policy = policies.load(cfg.policy, cfg.model, workdir, mesh)
-    task = task or tasks.make_task(cfg.task)
+    task = task or tasks.make_task(cfg.task, prompts.PromptLimits.of(cfg, policy.cfg))
     mtp_gd, mtp_params, vocab = load_draft_model(cfg, workdir, policy, mesh)
     opt = make_optimizer(rl.optim, rl.steps)
     mtp_opt = make_optimizer(rl.mtp_optim, rl.steps)

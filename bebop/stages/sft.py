@@ -12,7 +12,7 @@ from pathlib import Path
 
 import jax.numpy as jnp
 
-from bebop import data, io, model, rollout, sharding, tasks
+from bebop import data, io, model, prompts, rollout, sharding, tasks
 from bebop.config import ConfigError, RunConfig
 from bebop.fit import Interrupted, fit  # noqa: F401 - Interrupted: API
 from bebop.tokenizer import CharTokenizer
@@ -40,7 +40,7 @@ def check_model_matches_tokenizer(cfg: RunConfig, tok: CharTokenizer) -> None:
 def evaluate(graphdef, params, cfg: RunConfig, tok: CharTokenizer, n: int | None = None) -> dict:
     """Greedy accuracy on held-out problems of the task SFT trains on (arithmetic)."""
     n = n or cfg.sft.eval_samples
-    task = tasks.arithmetic(cfg.task)
+    task = tasks.checked(tasks.arithmetic(cfg.task), prompts.PromptLimits.sft_eval(cfg, n))
     acc = rollout.greedy_accuracy((graphdef, params), tok, task, cfg.seed, n, cfg.sft.seq_len)
     return {"accuracy": acc, "eval_samples": n}
 
