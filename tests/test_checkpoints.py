@@ -64,6 +64,7 @@ def _logits(loaded, toks):
 TOKS = np.random.default_rng(0).integers(0, 96, (2, 12))
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("arch", list(ARCHS))
 def test_parity_with_transformers(arch, tmp_path):
     m = _hf_model(arch, tmp_path, tie=arch == "llama")
@@ -215,6 +216,7 @@ def smollm2():
     return loaded, loaded.tok
 
 
+@pytest.mark.slow
 def test_smollm2_knows_the_capital_of_france(smollm2):
     loaded, tok = smollm2
     ids = tok.chat([{"role": "user", "content": "What is the capital of France?"}])

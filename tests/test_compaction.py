@@ -56,6 +56,7 @@ def _assert_same(a, b, tol=1e-5):
     jax.tree.map(same, jax.device_get(a), jax.device_get(b))
 
 
+@pytest.mark.slow
 def test_plain_compacted_equals_uncompacted():
     pol, _ = _models("random")
     scfg = sampling.SamplingConfig(temperature=1.0, max_new_tokens=N, eos_ids=RANDOM_EOS)
@@ -66,6 +67,7 @@ def test_plain_compacted_equals_uncompacted():
     _assert_same(out, ref)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("rule", ["rejection", "target_only"])
 def test_speculative_compacted_equals_uncompacted(rule):
     """Every output, statistics and recorded hiddens / cycle lengths included."""
@@ -86,6 +88,7 @@ def test_speculative_compacted_equals_uncompacted(rule):
 TABLE = ((8, 0), (4, 3), (2, 1))
 
 
+@pytest.mark.slow
 def test_greedy_speculative_with_compaction_and_a_draft_table_equals_plain():
     """The bigram policy's greedy chains reach EOS 14 from these last prompt tokens after 1, 1,
     2, 2, 3, 4 tokens, never from the last two: the loop runs at 8, 4 and 2 rows."""
@@ -107,6 +110,7 @@ def test_greedy_speculative_with_compaction_and_a_draft_table_equals_plain():
     assert out.stats.attempts.sum() > 0  # drafted after the γ = 0 bucket
 
 
+@pytest.mark.slow
 def test_copy_mtp_accepts_every_draft_as_the_draft_length_changes():
     """q = p exactly (a bigram policy and its copy as the MTP): every draft is accepted, in
     every bucket, whatever γ -- so the catch-up buffer still ends at the right token after each
@@ -156,6 +160,7 @@ def _exact_truncated(pol, scfg, prompt):
     return out
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("rule", ["rejection", "target_only", "broken"])
 def test_lossless_with_compaction_and_a_draft_table(rule, monkeypatch):
     """Chi-square of 1e5 samples (all tokens: rows end at 1 .. 5 tokens; the loop starts at
@@ -307,6 +312,7 @@ def _grouped(scfg, group=4):
     return dataclasses.replace(scfg, prompt_group=group)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("sampler", ["plain", "speculative", "compacted"])
 def test_prompt_groups_prefill_once_and_sample_the_same(sampler):
     """`prompt_group`: the prefill runs once per run of identical prompts; every output (stats,

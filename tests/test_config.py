@@ -58,6 +58,7 @@ def _other(value, key=""):
     return (*value, *value[:1]) if value else NONEMPTY.get(key, ("sft",))
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("path", CONFIGS, ids=lambda p: p.name)
 def test_every_leaf_key_can_be_overridden_on_every_config(path):
     """Config files start from the typed defaults: every leaf of the schema is a key of every

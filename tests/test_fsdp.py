@@ -75,6 +75,7 @@ def learner_programs(devices):
     return {(n, p): _learner_step(n, p) for n, p in ((1, True), (8, True), (8, False))}
 
 
+@pytest.mark.slow
 def test_fsdp_learner_activations_split_over_devices(learner_programs):
     """Per-device temporaries of the learner step (its activations, logits and gradients) fall
     at least 6x from 1 to 8 devices (batch 32 split 8 ways; measured 7.5x)."""
@@ -101,6 +102,7 @@ def _shapes(hlo: str):
         yield tuple(int(d) for d in dims.split(","))
 
 
+@pytest.mark.slow
 def test_speed_comparison_holds_nothing_batch_sized_whole(devices):
     """The speed comparison's prompts are laid out by rows (`rl.rollouts.speedup_inputs`), and in
     both compiled samplers no array has the whole batch on one device unless it is small

@@ -64,6 +64,7 @@ def _two_rollouts(cfg, tiny_cfg):
     return src, batches
 
 
+@pytest.mark.slow
 def test_growmtp_with_compaction_records_cycles_over_every_draft_step(tiny_cfg):
     """The second rollout comes after the table would have been derived (γ = 0 at every bucket
     under these costs, as the control below shows): GrowMTP keeps γ = num_draft, so with an

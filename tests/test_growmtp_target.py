@@ -27,6 +27,7 @@ def _jit_init(make):
     return nnx.split(nnx.eval_shape(make))[0], jax.jit(lambda: nnx.split(make())[1])()
 
 
+@pytest.mark.slow
 def test_growmtp_target_is_the_behaviour_versions_distribution(tiny_cfg):
     """A real recorded speculative rollout (GrowMTP's), then the learner changes the policy, head
     and final norm included, before the MTP update. The DCA loss on the batch the stage hands

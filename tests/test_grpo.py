@@ -43,6 +43,7 @@ def test_on_policy_ratio_is_exactly_one(tiny_cfg):
     assert float(m["clip_frac"]) == 0.0
 
 
+@pytest.mark.slow
 def test_clipped_objective_has_no_gradient_outside_the_clip_range(tiny_cfg):
     pol = random_policy(tiny_cfg, 0)
     gd, params = pol
@@ -82,6 +83,7 @@ def _sampled_batch(tiny_cfg, pol, scfg, adv):
 TOP_P = sampling.SamplingConfig(top_p=0.5, max_new_tokens=8, eos_ids=(-1,))
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize(
     "scfg",
     [TOP_P, sampling.SamplingConfig(temperature=0.7, top_k=3, max_new_tokens=8, eos_ids=(-1,))],
@@ -112,6 +114,7 @@ def test_truncated_sampler_on_policy_ratio_is_one_and_negative_advantages_get_gr
         assert float(m_full["ratio_min"]) < 0.99
 
 
+@pytest.mark.slow
 def test_kl_term_is_zero_at_the_reference_and_trains_towards_it(tiny_cfg):
     """k3 KL to the reference through the real optimizer and train step, advantages 0: exactly
     0 when the policy is the reference; with the reference elsewhere, 5 steps cut it by more

@@ -444,6 +444,7 @@ def test_reward_prints_are_bounded_and_no_semaphore_is_reported_leaked(tmp_path)
 # ---------------------------------------------------------------------- 13: bf16 truncated support
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize(
     "scfg",
     [

@@ -75,6 +75,7 @@ def test_chunked_attention_equals_attend_for_any_positions(chunk):
     np.testing.assert_allclose(np.asarray(got), np.asarray(want), atol=1e-6, rtol=1e-6)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("attention", ["chunked", "dot_product"])
 @pytest.mark.parametrize("scan", [True, False])
 def test_attention_choices_equal_xla_forward_and_gradient(tiny_cfg, attention, scan):
@@ -95,6 +96,7 @@ def test_attention_choices_equal_xla_forward_and_gradient(tiny_cfg, attention, s
 # ----------------------------------------------------------------------------- remat
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("remat", ["block", "dots_saveable", "nothing_saveable"])
 @pytest.mark.parametrize("scan", [True, False])
 def test_remat_leaves_loss_and_gradients_unchanged(tiny_cfg, remat, scan):
@@ -106,6 +108,7 @@ def test_remat_leaves_loss_and_gradients_unchanged(tiny_cfg, remat, scan):
     _close(got, want)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("scan", [True, False])
 def test_remat_lowers_the_compiled_backwards_memory(tiny_cfg, scan):
     """XLA's own figure for the gradient program (`memory_analysis`): block remat keeps less
@@ -138,6 +141,7 @@ def _learner_batch(cfg, pol, rows=4, width=13):
     return loop.LearnerBatch(tokens, jnp.asarray(mask), logp + shift, jnp.asarray(adv))
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("scfg", [T1, TRUNC], ids=["t1", "t0.7_topk_topp"])
 @pytest.mark.parametrize("chunk", [1, 5, 12, 40])
 def test_chunked_token_stats_equal_unchunked(tiny_cfg, scfg, chunk):
@@ -163,6 +167,7 @@ def test_chunked_token_stats_equal_unchunked(tiny_cfg, scfg, chunk):
     assert none is None
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("kl_coef", [0.0, 0.5])
 def test_chunked_policy_loss_equals_unchunked_loss_metrics_and_gradient(tiny_cfg, kl_coef):
     cfg = _cfg(tiny_cfg)
@@ -193,6 +198,7 @@ def test_chunked_policy_loss_equals_unchunked_loss_metrics_and_gradient(tiny_cfg
 # ----------------------------------------------------------------------------- microbatches
 
 
+@pytest.mark.slow
 def test_microbatched_step_with_every_knob_equals_the_whole_batch_step(tiny_cfg):
     """Accumulation over 4 row chunks, with remat, chunked attention and chunked log-probs,
     against the plain whole-batch step (float32): gradients (SGD lr 1: the new params) to 1e-5."""
@@ -301,6 +307,7 @@ def test_accelerator_configs_turn_the_knobs_on():
 # ----------------------------------------------------------------------------- weight store
 
 
+@pytest.mark.slow
 def test_behaviour_copy_keeps_bf16_with_the_same_layout_and_samples(tiny_cfg):
     cfg = _cfg(tiny_cfg, dtype="bfloat16")
     mesh = sharding.make_mesh(MeshConfig(data=1, fsdp=-1))
@@ -326,6 +333,7 @@ def test_behaviour_copy_keeps_bf16_with_the_same_layout_and_samples(tiny_cfg):
 # ----------------------------------------------------------------------------- one compile
 
 
+@pytest.mark.slow
 def test_train_step_and_samplers_compile_once_across_versions(tiny_cfg):
     """On an 8-device FSDP mesh: three train steps, each fed the previous one's state, are one
     program; the plain and the speculative sampler, each run on the three published versions
@@ -399,6 +407,7 @@ def test_bf16_behaviour_weights_checkpoint_and_restore_in_bf16(tiny_cfg, tmp_pat
     _close(restored["policy"].params, pol_state.params, tol=0)
 
 
+@pytest.mark.slow
 def test_auto_microbatch_learner_step_equals_the_whole_batch_step():
     """`learner.build` under `rl.microbatch=-1` with a budget of ~20 rows: 64 rows run as 4
     chunks of 16 (also through `.lower` on abstract arguments), with the whole batch's update."""

@@ -52,6 +52,7 @@ def toy(devices):
     return st, at
 
 
+@pytest.mark.slow
 def test_estimates_within_15_percent_of_compiled(toy):
     """Learner step (64 rows of 256 tokens over 8 devices), plain sampler (8 rows a device, 256
     cache slots) and weight publish: analytic transient / XLA's transient in [0.85, 1.15]."""

@@ -30,6 +30,7 @@ def _batch(cfg, pol, rows=8, width=12):
     return loop.LearnerBatch(tokens, jnp.asarray(mask), logp + shift, jnp.asarray(adv))
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("agg", ["token", "sequence"])
 def test_accumulated_policy_step_equals_the_whole_batch_step(tiny_cfg, agg):
     gd, params = random_policy(tiny_cfg, 0)

@@ -76,6 +76,7 @@ def _flat(tree):
     return np.concatenate([np.asarray(x, np.float32).ravel() for x in jax.tree.leaves(tree)])
 
 
+@pytest.mark.slow
 def test_float32_masters_learn_at_rl_lr_and_bf16_params_do_not(tiny_cfg):
     """AdamW's first step is lr * m/(sqrt(v)+eps) = lr * sign(g) (bias-corrected, |g| >> eps,
     no weight decay here): every float32 master weight with a gradient moves by ~1e-6. The same
@@ -118,6 +119,7 @@ def test_bf16_compute_forward_matches_float32():
     assert np.mean(np.asarray(l16).argmax(-1) == l32.argmax(-1)) >= 0.95
 
 
+@pytest.mark.slow
 def test_bf16_sampler_kv_cache_and_float32_logprobs():
     """The decode copy of float32 weights is bf16, the KV cache after the sampler's prefill is
     bf16 (dtypes by tracing: no compile), and the sampler's behaviour log-probs are float32 and

@@ -49,6 +49,7 @@ _prefill_jit = jax.jit(model.prefill, static_argnums=(0, 4))
 _extend_jit = jax.jit(model.extend, static_argnums=0)
 
 
+@pytest.mark.slow
 def test_cached_decoding_matches_full_forward(policy):
     cfg, graphdef, params = policy
     b, t = 3, 14
@@ -110,6 +111,7 @@ def test_hidden_states_feed_the_head(tiny_cfg):
 
 
 # tied and untied output head, the fused qkv bias
+@pytest.mark.slow
 @pytest.mark.parametrize("variant", ["llama", "qwen3", "qwen2"])
 def test_decode_weights_give_the_full_forward(tiny_cfg, variant):
     """`decode_layers` (per-layer weights in the fused q/k/v and gate/up layout, `[D, V]` head)

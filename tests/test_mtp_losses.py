@@ -65,6 +65,7 @@ def naive(name, draft, target, head, tokens, mask, temperature=1.0):
     raise KeyError(name)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("name", list(L.MTP_LOSSES))
 @pytest.mark.parametrize("chunk", [5, 16, 37, 64])  # 37 % 5 != 0, 37 % 16 != 0, chunk > V
 def test_chunked_equals_naive(name, chunk):
@@ -138,6 +139,7 @@ def test_tv_of_identical_distributions_is_zero():
     np.testing.assert_allclose(metrics["alpha_1"], 1.0, atol=1e-6)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("chunk", [8, 64])  # 5 chunks; the whole vocabulary in one (no scan)
 @pytest.mark.parametrize("name", list(L.MTP_LOSSES))
 def test_gradients_equal_autodiff_of_naive_reference(name, chunk):
@@ -192,6 +194,7 @@ def naive_subset(name, draft, target, head, tokens, mask, temperature=1.0):
     return _mean(-jnp.log(jnp.where(valid[0], terms, 1.0)), valid[0])
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("chunk", [4, 16])  # the draft vocabulary in 3 chunks; in one
 @pytest.mark.parametrize("name", list(L.MTP_LOSSES))
 def test_draft_vocabulary_losses_and_gradients_equal_a_naive_reference(name, chunk):

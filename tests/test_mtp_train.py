@@ -40,6 +40,7 @@ def setup(tiny_cfg):
     return pol_gd, mtp_gd, mtp_params, pol_params, batch
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("name", list(MTP_LOSSES))
 def test_no_gradient_reaches_the_policy(setup, name):
     pol_gd, mtp_gd, mtp_params, pol_params, batch = setup
@@ -87,6 +88,7 @@ def test_draft_vocabulary_mtp_loss_trains_only_the_mtp(setup):
     assert max(float(jnp.abs(g).max()) for g in jax.tree.leaves(g_mtp)) > 0.0
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize(
     "vocab, temperature, cut",
     [
@@ -166,6 +168,7 @@ def test_cached_target_is_reused_only_for_the_same_tokens_policy_and_temperature
     assert sorted(d.name for d in tmp_path.iterdir()) == want
 
 
+@pytest.mark.slow
 def test_mtp_initialised_from_the_last_backbone_layer(tiny_cfg):
     """`mtp.init=last_layer`: each MTP block is the policy's last block, W_fc's hidden half is the
     identity, the output norm is the final norm; so at step 0 the MTP layer computes
@@ -195,6 +198,7 @@ def test_mtp_initialised_from_the_last_backbone_layer(tiny_cfg):
     assert float(jnp.abs(rand_out - want).max()) > 0.1
 
 
+@pytest.mark.slow
 def test_random_init_is_the_eager_draws_compiled_once_per_shape(tiny_cfg):
     """`mtp.init` draws the parameters of an eagerly built `MTP` (same keys, same std) in one
     compiled program, whatever the seed: equal up to the rounding of the std scaling (a few
@@ -224,6 +228,7 @@ def test_patience_stops_after_evaluations_without_a_new_best():
     assert not any(patience_stop(0)({"rejection/accept_len": 0.0}) for _ in range(5))
 
 
+@pytest.mark.slow
 def test_speculative_distillation_samples_the_policy_distribution(tiny_cfg):
     """Distilling with the speculative sampler (a random MTP: many rejections) gives responses
     with the plain sampler's distribution. 6000 rows of 2 tokens each (same prompt, independent
@@ -279,6 +284,7 @@ def test_sigterm_stops_distillation_between_batches(tiny_cfg):
     assert done == [2]
 
 
+@pytest.mark.slow
 def test_backbone_is_bitwise_unchanged_by_mtp_training(setup):
     pol_gd, mtp_gd, mtp_params, pol_params, batch = setup
     before = jax.tree.map(np.array, pol_params)
@@ -297,6 +303,7 @@ def test_backbone_is_bitwise_unchanged_by_mtp_training(setup):
     assert max(moved) > 0 and np.isfinite(float(m["loss"]))
 
 
+@pytest.mark.slow
 def test_train_time_step_one_matches_decode_time_drafting(tiny_cfg):
     """Step 1 of the teacher-forced forward at anchor t equals the cached MTP extend at t."""
     cfg = dataclasses.replace(tiny_cfg, init_std=0.3)
@@ -315,6 +322,7 @@ def test_train_time_step_one_matches_decode_time_drafting(tiny_cfg):
     np.testing.assert_allclose(mtp_lib.logits(policy, normed), want_logits[:, :9], atol=1e-5)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("fused", [False, True], ids=["train_layout", "decode_layout"])
 def test_catch_up_outputs_at_one_position_and_key_value_writes_equal_the_full_extend(
     tiny_cfg, fused

@@ -31,6 +31,7 @@ def _mesh():
     return sharding.make_mesh(config_lib.MeshConfig(data=1), jax.devices()[:1])
 
 
+@pytest.mark.slow
 def test_kill_and_resume_matches_uninterrupted(tmp_path):
     cfg = _cfg()
     mesh8 = sharding.make_mesh(config_lib.MeshConfig(data=8), jax.devices())  # restored state

@@ -26,6 +26,7 @@ def _run(cfg, mesh, batch):
     return logits, state.params, metrics["loss"]
 
 
+@pytest.mark.slow
 def test_one_device_and_2x2x2_mesh_agree(tiny_cfg, devices):
     rng = np.random.default_rng(0)
     batch = {

@@ -132,6 +132,7 @@ def test_decode_step1_acceptance_equals_train_time_on_a_random_mtp():
     assert 0.05 < float(out.stats.overlap[drafted].mean()) < 0.95  # neither always nor never
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize(
     "table, passes", [(((16, 0), (8, 0), (4, 3)), 1), (((16, 0), (8, 0), (4, 0), (2, 3)), 2)]
 )

@@ -43,6 +43,7 @@ def _models(kind, num_mtp=1):
     return pol, (mg, mp)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("kind", ["random", "agrees_often"])
 @pytest.mark.parametrize("rule", ["rejection", "target_only"])
 @pytest.mark.parametrize("num_mtp", [1, 2, "1+vocab", "1+unrolled"])
@@ -135,6 +136,7 @@ def _counts(sampler, scfg):
 DRAFT_VOCAB = jnp.array([6, 1, 3, 4])  # half of the 8 tokens, unsorted
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("setting", list(SETTINGS))
 @pytest.mark.parametrize(
     "rule", ["plain", "rejection", "target_only", "broken", "rejection+vocab", "target_only+vocab"]
@@ -169,6 +171,7 @@ def test_lossless_joint_distribution_of_first_three_tokens(setting, rule, monkey
 # ----------------------------------------------------------------------------- log-probs, stats
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("rule", ["rejection", "target_only"])
 def test_behaviour_logprobs_match_a_full_forward(rule):
     pol, mtp = _models("agrees_often")
@@ -195,6 +198,7 @@ def test_copy_mtp_is_always_accepted():
     np.testing.assert_allclose(st.overlap[st.status == ACCEPTED], 1.0, atol=1e-5)
 
 
+@pytest.mark.slow
 def test_copy_mtp_with_a_draft_vocabulary_is_accepted_exactly_on_it():
     """q = p restricted to a draft vocabulary: with every token in it (shuffled order) all drafts
     are accepted; with half of them, drafts are always in it and acceptance equals the target's
@@ -231,6 +235,7 @@ def test_copy_mtp_with_a_draft_vocabulary_is_accepted_exactly_on_it():
     assert abs(rate - st.overlap[drafted].mean()) < 0.08  # sample size: ~500 drafts
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("rule", ["rejection", "target_only"])
 def test_acceptance_counts_are_consistent(rule):
     pol, mtp = _models("agrees_often")
@@ -255,6 +260,7 @@ def test_acceptance_counts_are_consistent(rule):
     assert 0 < st.accepts.sum() < st.attempts.sum()
 
 
+@pytest.mark.slow
 def test_other_rule_overlap_is_what_the_other_rule_computes_on_the_same_draft():
     """`SpecConfig.other_rule` records, per drafted position, the other rule's analytic
     acceptance. The first draft of each row has the same context and the same MTP q under both
@@ -280,6 +286,7 @@ def test_other_rule_overlap_is_what_the_other_rule_computes_on_the_same_draft():
     assert ((other[drafted] >= 0) & (other[drafted] <= 1 + 1e-6)).all()
 
 
+@pytest.mark.slow
 def test_same_tokens_on_one_device_and_an_8_device_mesh(devices):
     pol, mtp = _models("agrees_often")
     scfg = sampling.SamplingConfig(temperature=1.0, max_new_tokens=16, eos_ids=(2,))
@@ -348,6 +355,7 @@ def test_accept_on_toy_distributions(vocab):
     assert _chi2_pvalue(np.bincount(rejected, minlength=5), P_TOY)[0] < 1e-6
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("rule", ["rejection", "target_only"])
 def test_a_rows_sample_does_not_depend_on_its_batch(rule):
     """Per-row key streams: a prompt sampled alone or among other prompts (at another row index)
