@@ -30,6 +30,7 @@ import numpy as np
 from flax import nnx
 
 from bebop import data, io, policies, prompts, rollout, sampling, sharding, speculative
+from bebop import mtp as mtp_lib
 from bebop.config import RunConfig
 from bebop.fit import fit
 from bebop.metrics import Progress
@@ -63,27 +64,37 @@ def evaluate(
 
 
 def policy_hiddens(
-    pol_gd, pol_params, tokens_NxS, batch_size: int, temperature: float = 1.0, mesh=None, rows=None
+    pol_gd,
+    pol_params,
+    tokens_NxS,
+    batch_size: int,
+    temperature: float = 1.0,
+    mesh=None,
+    rows=None,
+    features=None,
 ):
     """The frozen policy's last hidden states `[N, S, D]` and the log-normaliser of its
     distribution at `temperature` over the full vocabulary `[N, S]` (host, float32), per row:
-    everything of the target that does not change while only the MTP trains. With `mesh` (and
-    `rows`, this process's rows of a batch: `sharding.process_rows`), each batch is split over
-    the mesh's batch axis, so every device computes only its share, and gathered."""
+    everything of the target that does not change while only the MTP trains. With `features`
+    (an MTP's `mtp.collected` layers), a third array: those layers' outputs `[N, S, F*D]`, from
+    the same pass. With `mesh` (and `rows`, this process's rows of a batch:
+    `sharding.process_rows`), each batch is split over the mesh's batch axis, so every device
+    computes only its share, and gathered."""
 
     @jax.jit
     def fn(params, tokens_BxS):
         policy = nnx.merge(pol_gd, params)
         positions = jnp.broadcast_to(jnp.arange(tokens_BxS.shape[1]), tokens_BxS.shape)
-        hidden = policy.hidden(tokens_BxS, positions)[0]
+        hidden, feats, _ = policy.hidden_features(tokens_BxS, positions, features=features)
         lse = target_lse(policy.final_norm(hidden), policy.head_matrix(), temperature=temperature)
-        return hidden.astype(jnp.float32), lse
+        out = (hidden.astype(jnp.float32), lse)
+        return out if features is None else (*out, feats.astype(jnp.float32))
 
     n = tokens_NxS.shape[0]
     if mesh is not None and rows is None:
         rows = sharding.process_rows(mesh, batch_size)
     mine = np.arange(batch_size) if rows is None else rows
-    hiddens = lses = None
+    outs = None
     bar = Progress(n, 0, "mtp target cache")  # minutes on a CPU for a real policy
     try:
         for start in range(0, n, batch_size):
@@ -92,46 +103,63 @@ def policy_hiddens(
             batch = np.pad(chunk, ((0, pad), (0, 0)))
             if mesh is not None:
                 batch = sharding.batch_from_process_rows(batch[mine], mesh, batch_size)
-            h, lse = sharding.to_host(fn(pol_params, batch))
-            if hiddens is None:
-                hiddens = np.empty((n,) + h.shape[1:], np.float32)
-                lses = np.empty((n,) + lse.shape[1:], np.float32)
-            hiddens[start : start + chunk.shape[0]] = h[: chunk.shape[0]]
-            lses[start : start + chunk.shape[0]] = lse[: chunk.shape[0]]
+            got = sharding.to_host(fn(pol_params, batch))
+            if outs is None:
+                outs = tuple(np.empty((n,) + a.shape[1:], np.float32) for a in got)
+            for out, a in zip(outs, got, strict=True):
+                out[start : start + chunk.shape[0]] = a[: chunk.shape[0]]
             bar.update(chunk.shape[0], chunk.size)
     finally:
         bar.close()
-    return hiddens, lses
+    return outs
 
 
-def _fingerprint(tokens_NxS, pol_params, temperature: float) -> str:
-    """What the cached target depends on: the distill tokens, the policy's weights, T."""
+def _fingerprint(tokens_NxS, pol_params, temperature: float, features=None) -> str:
+    """What the cached target depends on: the distill tokens, the policy's weights, T (and the
+    feature layers, when cached)."""
     h = hashlib.sha256(np.ascontiguousarray(tokens_NxS).tobytes())
     for leaf in jax.tree.leaves(sharding.to_host(pol_params)):
         h.update(np.ascontiguousarray(leaf).tobytes())
     h.update(repr(float(temperature)).encode())
+    if features is not None:
+        h.update(repr(tuple(features)).encode())
     return h.hexdigest()
 
 
 def cached_target(
-    distill_dir: Path, pol_gd, pol_params, tokens_NxS, batch_size, temperature, mesh=None, rows=None
+    distill_dir: Path,
+    pol_gd,
+    pol_params,
+    tokens_NxS,
+    batch_size,
+    temperature,
+    mesh=None,
+    rows=None,
+    features=None,
 ):
     """`policy_hiddens` kept on disk next to the distill data (`target_T{T}/`), keyed by a hash of
     the tokens, the policy's weights and T: every MTP run on the same data and policy (the
     init comparison, the loss ablation, a rerun) pays the backbone pass once. Read memory-mapped;
     a cache from other data or another policy is recomputed, never used. `mesh`, `rows`: the
     pass split over the mesh (`policy_hiddens`; its gathers are collectives, so every process
-    must see the same `distill_dir`, as for checkpoints)."""
+    must see the same `distill_dir`, as for checkpoints). `features` (an MTP's `mtp.collected`
+    layers): their outputs are cached too (`features.npy`, in `target_T{T}_f{layers}/`)."""
     temperature = max(temperature, 1e-3)
-    cdir = Path(distill_dir) / f"target_T{temperature:g}"
-    key = _fingerprint(tokens_NxS, pol_params, temperature)
+    suffix = "" if features is None else "_f" + "-".join(map(str, features))
+    cdir = Path(distill_dir) / f"target_T{temperature:g}{suffix}"
+    key = _fingerprint(tokens_NxS, pol_params, temperature, features)
     meta = cdir / "meta.json"
+    names = {"hidden": 3, "target_lse": 2} | ({} if features is None else {"features": 3})
     if meta.exists() and io.read_json(meta).get("fingerprint") == key:
-        hid = io.load_array(cdir / "hidden.npy", ndim=3, kind="f", mmap=True)
-        lse = io.load_array(cdir / "target_lse.npy", ndim=2, kind="f", mmap=True)
-        if hid.shape[:2] == lse.shape == tuple(tokens_NxS.shape):
+        got = {
+            k: io.load_array(cdir / f"{k}.npy", ndim=ndim, kind="f", mmap=True)
+            for k, ndim in names.items()
+        }
+        hid, lse = got["hidden"], got["target_lse"]
+        feats_ok = features is None or got["features"].shape[:2] == hid.shape[:2]
+        if hid.shape[:2] == lse.shape == tuple(tokens_NxS.shape) and feats_ok:
             logging.info("mtp: target hiddens from %s", cdir)
-            return {"hidden": hid, "target_lse": lse}
+            return got
         logging.warning(
             "mtp: %s has shapes %s/%s for tokens %s; recomputing",
             cdir,
@@ -139,13 +167,16 @@ def cached_target(
             lse.shape,
             tokens_NxS.shape,
         )
-    hid, lse = policy_hiddens(pol_gd, pol_params, tokens_NxS, batch_size, temperature, mesh, rows)
+    arrays = policy_hiddens(
+        pol_gd, pol_params, tokens_NxS, batch_size, temperature, mesh, rows, features
+    )
+    got = dict(zip(names, arrays, strict=True))
     if sharding.is_primary():  # the others computed the same arrays
         cdir.mkdir(parents=True, exist_ok=True)
-        io.save_array_atomic(cdir / "hidden.npy", hid)
-        io.save_array_atomic(cdir / "target_lse.npy", lse)
+        for k, a in got.items():
+            io.save_array_atomic(cdir / f"{k}.npy", a)
         io.write_json_atomic(meta, {"fingerprint": key, "temperature": temperature})
-    return {"hidden": hid, "target_lse": lse}
+    return got
 
 
 def load_trained(cfg: RunConfig, workdir: Path, pol_cfg, mesh):
@@ -211,6 +242,7 @@ def run(cfg: RunConfig, workdir: Path, mesh, stop_at_step: int | None = None) ->
             temp,
             mesh,
             rows,
+            mtp_lib.collected(nnx.merge(mtp_gd, mtp_params)),
         )
 
     def make_batch(b):
