@@ -459,3 +459,20 @@ def test_the_default_mtp_keeps_its_parameters_layout_and_path(tmp_path):
     block = {"mtp.layers.0." + n for n, _ in names.DECODER_LAYER.values() if "bias" not in n}
     top = {"fc", "pre_fc_norm_embedding", "pre_fc_norm_hidden", "norm"}
     assert mtp_names == block | {f"mtp.{n}.weight" for n in top}
+
+
+def test_last_layer_init_with_features_and_depth_drafts_like_the_plain_one():
+    """`mtp.init = last_layer` with features (0, 3) and depth 2: `fc_features` passes the last
+    layer through and the second block is the identity (zero output projections), so the draft's
+    logits are those of the plain last-layer-initialised MTP (same seed: same `W_fc` draws)."""
+    pol = _pol()
+    plain = mtp_lib.init(CFG, 1, 7)
+    rich = mtp_lib.init(CFG, 1, 7, (0, 3), 2)
+    plain = (plain[0], mtp_lib.init_from_last_layer(plain[1], pol[1]))
+    rich = (rich[0], mtp_lib.init_from_last_layer(rich[1], pol[1]))
+    pos = jnp.broadcast_to(jnp.arange(TOKENS.shape[1]), TOKENS.shape)
+    hidden, feats, _ = nnx.merge(*pol).hidden_features(TOKENS, pos, features=(0, 3))
+    want = mtp_lib.train_hidden(*plain, *pol, TOKENS, hidden, 2)
+    got = mtp_lib.train_hidden(*rich, *pol, TOKENS, feats, 2)
+    np.testing.assert_allclose(got, want, atol=1e-5)
+    assert float(jnp.abs(nnx.merge(*rich).layers.block_1.attn.wq[...]).max()) > 0
