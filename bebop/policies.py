@@ -151,10 +151,12 @@ def shipped_mtp(cfg: RunConfig, policy: LoadedPolicy):
         "depth": cfg.mtp.depth,
     }
     for key, value in want.items():
-        if getattr(shipped, key) != value:
+        got = getattr(shipped, key)
+        if got != value:
+            what = f"{got} MTP layer(s)" if key == "num_layers" else f"MTP layers with {key}={got}"
             raise ConfigError(
-                f"config key 'mtp.{key}': {value}, but {where} ships MTP layers with {key}="
-                f"{getattr(shipped, key)} ({policy.mtp_format} format) for mtp.init='checkpoint'"
+                f"config key 'mtp.{key}': {value}, but {where} ships {what} "
+                f"({policy.mtp_format} format) for mtp.init='checkpoint'"
             )
     return policy.mtp
 
