@@ -52,6 +52,27 @@ def _positive(obj, prefix: str, *names: str) -> None:
         _require(getattr(obj, n) > 0, f"{prefix}{n}", f"must be > 0, got {getattr(obj, n)!r}")
 
 
+def resolve_features(features, num_layers: int, key: str = "mtp.features") -> tuple[int, ...]:
+    """`MTPConfig.features` as non-negative decoder-layer indices of a `num_layers`-layer policy
+    (-1 is the last layer): nonempty, in range, sorted and distinct, else a `ConfigError` naming
+    `key`."""
+    features = tuple(features)
+    _require(len(features) > 0, key, "must name at least one backbone layer")
+    _require(
+        all(isinstance(f, int) and -num_layers <= f < num_layers for f in features),
+        key,
+        f"{features}: layer indices must be in [-{num_layers}, {num_layers}) for a policy of "
+        f"{num_layers} decoder layers",
+    )
+    out = tuple(f + num_layers if f < 0 else f for f in features)
+    _require(
+        list(out) == sorted(set(out)),
+        key,
+        f"{features}: must be sorted and distinct (as layer indices: {out})",
+    )
+    return out
+
+
 # `model.remat` values: no remat, one jax.checkpoint per block, or a named jax.checkpoint policy
 # (`jax.checkpoint_policies.<name>`, applied per block).
 REMAT_POLICIES = (
@@ -381,6 +402,13 @@ class MTPConfig:
     """MTP draft layer(s) and their pre-RL training (backbone frozen)."""
 
     num_layers: int = 1  # distinct MTP layers n; draft step i uses layer (i - 1) mod n
+    # Backbone layers the draft reads (0-based decoder-layer indices, -1 = the last; sorted,
+    # distinct). One layer: its hidden state is the draft's backbone input (the default, the last
+    # layer, is DeepSeek-V3 / Qwen3.5's MTP). Several (EAGLE-3 style, e.g. (2, 15, -1)): their
+    # hidden states are concatenated and fused by one linear projection to the model width
+    # (`fc_features`), which takes the last hidden's place.
+    features: tuple[int, ...] = (-1,)
+    depth: int = 1  # decoder blocks per draft step (each MTP layer runs `depth` blocks in turn)
     train_steps: int = 5  # γ_train: recursive steps trained
     loss: str = "e2e_tv"  # a key of mtp_losses.MTP_LOSSES
     # From random init, TV-type losses learn slowly (their gradient is bounded by q, ~0 on the
@@ -413,7 +441,8 @@ class MTPConfig:
     optim: OptimConfig = OptimConfig(lr=1e-3, warmup_steps=20)
 
     def validate(self, p: str = "mtp.") -> None:
-        _positive(self, p, "num_layers", "train_steps", "steps", "batch_size", "chunk")
+        _positive(self, p, "num_layers", "depth", "train_steps", "steps", "batch_size", "chunk")
+        _require(len(self.features) > 0, p + "features", "must name at least one backbone layer")
         _positive(self, p, "log_every", "eval_prompts", "eval_draft")
         losses = ("ce", "kl", "reverse_kl", "tv", "e2e_tv", "e2e_tv_partial", "dca")
         _require(self.loss in losses, p + "loss", f"unknown {self.loss!r}; known: {losses}")
@@ -598,6 +627,11 @@ class RunConfig:
             if dataclasses.is_dataclass(v):
                 v.validate(f.name + ".")
         self._check_kv_cache()
+        # The policy's depth is known before loading for the demo policy and for a cut one
+        # (`policy.num_layers`); otherwise `mtp.features` is checked when the MTP is built.
+        depth = self.model.num_layers if self.policy.source == "sft" else self.policy.num_layers
+        if depth:
+            resolve_features(self.mtp.features, depth)
 
     def _check_kv_cache(self, limit_bytes: int = KV_CACHE_LIMIT_BYTES) -> None:
         """Rollout KV caches of the demo policy (`policy.source=sft`, whose architecture is known

@@ -15,6 +15,18 @@ layer: `mtp.*`) or DeepSeek-V3's (several: `model.layers.{L+j}.*`); transformers
 `bebop.checkpoints.hf.load` reads them back. A draft vocabulary (`mtp.draft_vocab`) is not
 exported: the draft head is the full output head.
 
+An MTP that reads several backbone layers (`mtp.features`) or runs several blocks per step
+(`mtp.depth`) is written with bebop's extensions of those layouts (`checkpoints/names.py`,
+`MTP_EXTENSIONS`), in the Qwen3.5 layout:
+  mtp.fc_features.weight   [D, F*D] the fusion projection (torch Linear [out, in]); its input
+                           columns are the F feature layers' hidden states in increasing layer
+                           order, D each (absent for the last layer alone)
+  mtp.layers.{i}.*         decoder block i of the draft step, run in order i = 0 .. depth-1
+(DeepSeek-V3: `model.layers.{L}.fc_features.weight` and `model.layers.{L+j}.blocks.{i}.*` for
+i >= 1; MiMo: `model.mtp_layers.0.fc_features.weight`, `model.mtp_layers.{j}.blocks.{i}.*`),
+and config.json records them as `"bebop_mtp": {"features": [l_1, ..., l_F], "depth": d}`
+(0-based decoder-layer indices), which the loader reads back.
+
 Written: `config.json` (the architecture as Llama / Qwen2 / Qwen3, `torch_dtype` and `dtype` =
 `--dtype`), `model.safetensors` (sharded past `--max_shard_gb`, with an index), tokenizer files,
 and `generation_config.json` (BOS / EOS / pad ids; the run's `rollout.temperature`, `top_p`,
@@ -34,6 +46,7 @@ import threading
 from pathlib import Path
 
 import jax
+from flax import nnx
 
 from bebop import config as config_lib
 from bebop import policies, sharding
@@ -66,7 +79,8 @@ def run_config(workdir: Path) -> config_lib.RunConfig:
 
 
 def weights(cfg, workdir: Path, stage: str, with_mtp: bool, mesh):
-    """(policy as loaded, policy params to export, MTP params or None, MTP layout)."""
+    """(policy as loaded, policy params to export, MTP (graphdef, params) or None, MTP
+    layout)."""
     policy = policies.load(cfg.policy, cfg.model, workdir, mesh)
     fmt = "qwen3_5" if cfg.mtp.num_layers == 1 else "deepseek_v3"
     if policy.mtp_format is not None:  # the checkpoint's own layout, if it holds n layers
@@ -74,17 +88,20 @@ def weights(cfg, workdir: Path, stage: str, with_mtp: bool, mesh):
         fmt = policy.mtp_format if limit is None or cfg.mtp.num_layers <= limit else fmt
     if stage == "rl":
         pol_params, mtp_params = policies.load_rl(cfg.mtp, workdir, mesh, policy.cfg)
-        return policy, pol_params, mtp_params if with_mtp else None, fmt
+        mtp_gd = policies.abstract_mtp(policy.cfg, cfg.mtp)[0]
+        return policy, pol_params, (mtp_gd, mtp_params) if with_mtp else None, fmt
     if stage == "mtp":
-        mtp_params = policies.load_mtp(cfg.mtp, workdir / "mtp" / "ckpt", policy.cfg, mesh)[1]
-        return policy, policy.params, mtp_params, fmt
+        mtp_gd, mtp_params, _ = policies.load_mtp(
+            cfg.mtp, workdir / "mtp" / "ckpt", policy.cfg, mesh
+        )
+        return policy, policy.params, (mtp_gd, mtp_params), fmt
     if with_mtp and policy.mtp is None:
         raise ExportError(
             f"--with_mtp --stage sft: the policy (policy.source={cfg.policy.source!r}"
             f"{', ' + cfg.policy.path if cfg.policy.path else ''}) ships no MTP layers; export "
             "the trained MTP with --stage mtp or --stage rl"
         )
-    return policy, policy.params, policy.mtp[1] if with_mtp else None, fmt
+    return policy, policy.params, policy.mtp if with_mtp else None, fmt
 
 
 def generation_config(r: config_lib.RolloutConfig, ids: dict, base: dict | None = None) -> dict:
@@ -122,7 +139,7 @@ def export_run(args) -> tuple[Path, str]:
     # One host device: export gathers every tensor to the host anyway.
     mesh = sharding.make_mesh(config_lib.MeshConfig(data=1), jax.devices("cpu")[:1])
     try:
-        policy, params, mtp_params, fmt = weights(cfg, workdir, stage, with_mtp, mesh)
+        policy, params, mtp, fmt = weights(cfg, workdir, stage, with_mtp, mesh)
     except CheckpointRestoreError as e:
         raise ExportError(
             f"{workdir / 'config.json'} does not describe the checkpoints in {workdir} (was it "
@@ -148,11 +165,12 @@ def export_run(args) -> tuple[Path, str]:
         policy.cfg,
         params,
         model_type,
-        mtp_params,
+        None if mtp is None else mtp[1],
         fmt,
         max_shard_bytes=int(args.max_shard_gb * 2**30),
         dtype=args.dtype,
         base_config=base_cfg,
+        mtp_features=None if mtp is None else nnx.merge(*mtp).features,
     )
     gen = generation_config(cfg.rollout, ids, base_gen)
     (out / "generation_config.json").write_text(json.dumps(gen, indent=2))

@@ -25,7 +25,9 @@ Entry points take the graph definition (static) and the parameter state split on
   extend(graphdef, params, cache, tokens_BxT, num_new_B, layers) -> (logits, hidden, cache)
   prefill(graphdef, params, tokens_BxT, lengths_B, max_len) -> (logits, hidden, cache)
 `hidden` is the last decoder layer's output before the final norm (what an MTP layer consumes);
-`logits_from_hidden` applies final norm + head. Logits are float32.
+`logits_from_hidden` applies final norm + head. Logits are float32. `Policy.hidden_features`,
+`Policy.forward_features` and `prefill_last_features` also return the outputs of chosen decoder
+layers from the same pass (an MTP with `mtp.features`): `run_blocks(collect=...)`.
 
 Mixed precision (`ModelConfig.param_dtype`, `ModelConfig.dtype`): parameters are stored in the
 parameter dtype (float32 by default: the optimizer updates float32 masters, so an AdamW step of
@@ -41,6 +43,7 @@ from __future__ import annotations
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 from flax import nnx, struct
 
 from bebop import kvcache, sharding
@@ -384,6 +387,7 @@ def run_blocks(
     scan=False,
     layers=None,
     remat: str = "none",
+    collect: tuple[int, ...] | None = None,
 ):
     """Applies stacked blocks in order. `kv` is `(k, v)`, each a tuple of per-layer `[B, K, S, Dh]`
     arrays, or None. `layers`: the `DecodeWeights` made once outside a decode loop (its per-layer
@@ -391,12 +395,23 @@ def run_blocks(
     `layers` scans. `remat` (`ModelConfig.remat`, cacheless calls without `layers` only): each
     block under `jax.checkpoint` with that policy, in a scan whatever `scan` says, so the
     backward keeps the blocks' inputs (and what the policy saves) and recomputes the rest one
-    block at a time."""
+    block at a time.
+
+    Returns (output, new kv or None); with `collect` (sorted layer indices) also the outputs of
+    those layers concatenated on the last axis, `[B, T, F*D]` in `collect`'s order. A scan
+    carries only those F outputs (a `[F + 1, B, T, D]` buffer whose last slot takes the layers
+    not collected), never all L."""
     graphdef, state = nnx.split(blocks)
     num = jax.tree.leaves(state)[0].shape[0]
+    outs = []  # the collected layers' outputs, in order
 
     def layer(x, layer_gd, layer_state, layer_kv):
         return nnx.merge(layer_gd, layer_state)(x, positions_BxT, layer_kv, offsets_B)
+
+    def done(x_BxTxD, new_kv):
+        if collect is None:
+            return x_BxTxD, new_kv
+        return x_BxTxD, new_kv, jnp.concatenate(outs, axis=-1)
 
     if kv is None and layers is None:
         step = lambda x, s: layer(x, graphdef, s, None)  # noqa: E731
@@ -407,11 +422,17 @@ def run_blocks(
             # keeps the recompute apart.
             step = jax.checkpoint(step, policy=remat_policy(remat), prevent_cse=False)
             scan = True
-        if scan:
+        if scan and collect is None:
             return jax.lax.scan(step, x_BxTxD, state)
+        if scan:
+            x_BxTxD, buf_FxBxTxD = _scan_collect(step, x_BxTxD, state, num, collect)
+            outs.extend(buf_FxBxTxD[j] for j in range(len(collect)))
+            return done(x_BxTxD, None)
         for i in range(num):
             x_BxTxD, _ = step(x_BxTxD, jax.tree.map(lambda a, i=i: a[i], state))
-        return x_BxTxD, None
+            if collect is not None and i in collect:
+                outs.append(x_BxTxD)
+        return done(x_BxTxD, None)
     new_k, new_v = [], []
     for i in range(num):
         layer_kv = None if kv is None else (kv[0][i], kv[1][i])
@@ -420,10 +441,31 @@ def run_blocks(
         else:
             layer_gd, layer_state = layers.block_graphdef, layers.layers[i]
         x_BxTxD, out_kv = layer(x_BxTxD, layer_gd, layer_state, layer_kv)
+        if collect is not None and i in collect:
+            outs.append(x_BxTxD)
         if kv is not None:
             new_k.append(out_kv[0])
             new_v.append(out_kv[1])
-    return x_BxTxD, (None if kv is None else (tuple(new_k), tuple(new_v)))
+    return done(x_BxTxD, (None if kv is None else (tuple(new_k), tuple(new_v))))
+
+
+def _scan_collect(step, x_BxTxD, state, num: int, collect: tuple[int, ...]):
+    """`lax.scan` of `step` over the stacked layers that also keeps the outputs of layers
+    `collect`: (last output, `[F, B, T, D]`). Each layer writes its output to its slot of an
+    `[F + 1, B, T, D]` carry (slot F for the layers not collected): one slot per layer."""
+    f = len(collect)
+    slot_L = np.full((num,), f, np.int32)
+    slot_L[list(collect)] = np.arange(f)
+
+    def body(carry, xs):
+        x, buf = carry
+        layer_state, slot = xs
+        x, _ = step(x, layer_state)
+        return (x, jax.lax.dynamic_update_index_in_dim(buf, x, slot, 0)), None
+
+    buf = jnp.zeros((f + 1,) + x_BxTxD.shape, x_BxTxD.dtype)
+    (x_BxTxD, buf), _ = jax.lax.scan(body, (x_BxTxD, buf), (state, jnp.asarray(slot_L)))
+    return x_BxTxD, buf[:f]
 
 
 @struct.dataclass
@@ -504,10 +546,23 @@ class Policy(nnx.Module):
     def hidden(self, tokens_BxT, positions_BxT, cache: KVCache | None = None, layers=None):
         """Last-layer hidden states (before the final norm) and the updated cache; no head.
         `layers`: `DecodeWeights` from `decode_layers` (inside a decode loop)."""
+        hidden_BxTxD, _, new_cache = self.hidden_features(tokens_BxT, positions_BxT, cache, layers)
+        return hidden_BxTxD, new_cache
+
+    def hidden_features(
+        self, tokens_BxT, positions_BxT, cache: KVCache | None = None, layers=None, features=None
+    ):
+        """(last-layer hidden states, features, updated cache). The features are the outputs of
+        decoder layers `features` (sorted indices) concatenated, `[B, T, F*D]`, from the same
+        pass: what a draft reading several backbone layers consumes (`bebop/mtp.py`). None
+        without `features`; the last hidden itself when `features` is the last layer alone
+        (nothing is collected)."""
         x_BxTxD = sharding.constrain(self.embed_tokens(tokens_BxT), X_AXES)
         kv = None if cache is None else (cache.k, cache.v)
         offsets_B = None if cache is None else cache.lengths
-        hidden_BxTxD, new_kv = run_blocks(
+        last_only = features is not None and tuple(features) == (self.cfg.num_layers - 1,)
+        collect = None if features is None or last_only else tuple(features)
+        out = run_blocks(
             self.layers,
             x_BxTxD,
             positions_BxT,
@@ -516,13 +571,24 @@ class Policy(nnx.Module):
             self.cfg.scan_layers,
             layers,
             self.cfg.remat,
+            collect,
         )
+        hidden_BxTxD, new_kv = out[:2]
+        feats = out[2] if collect is not None else (hidden_BxTxD if last_only else None)
         new_cache = None if cache is None else cache.replace(k=new_kv[0], v=new_kv[1])
-        return hidden_BxTxD, new_cache
+        return hidden_BxTxD, feats, new_cache
 
     def __call__(self, tokens_BxT, positions_BxT, cache: KVCache | None = None, layers=None):
         hidden_BxTxD, new_cache = self.hidden(tokens_BxT, positions_BxT, cache, layers)
         return self.logits_from_hidden(hidden_BxTxD, layers), hidden_BxTxD, new_cache
+
+    def forward_features(self, tokens_BxT, positions_BxT, cache=None, layers=None, features=None):
+        """`__call__` that also returns the features of `hidden_features`: (logits, hidden,
+        features, cache)."""
+        hidden_BxTxD, feats, new_cache = self.hidden_features(
+            tokens_BxT, positions_BxT, cache, layers, features
+        )
+        return self.logits_from_hidden(hidden_BxTxD, layers), hidden_BxTxD, feats, new_cache
 
 
 # ----------------------------------------------------------------------------- pure entry points
@@ -601,20 +667,34 @@ def prefill_last(graphdef, params, tokens_BxT, lengths_B, max_len: int, layers=N
     `group` > 1: the rows come in runs of `group` identical prompts (an RL batch's GRPO groups;
     the caller guarantees it: `sampling.check_prompt_groups`). The forward runs on the first row
     of each run and its outputs are repeated to the run's rows: 1/`group` of the prefill's work."""
+    logits_BxV, hidden_BxTxD, _, cache = prefill_last_features(
+        graphdef, params, tokens_BxT, lengths_B, max_len, None, layers, group
+    )
+    return logits_BxV, hidden_BxTxD, cache
+
+
+def prefill_last_features(
+    graphdef, params, tokens_BxT, lengths_B, max_len: int, features, layers=None, group=1
+):
+    """`prefill_last` that also returns the features of decoder layers `features`
+    (`Policy.hidden_features`): (logits_BxV, hidden_BxTxD, features `[B, T, F*D]` or None,
+    cache)."""
     if group > 1:
         if tokens_BxT.shape[0] % group:
             raise ValueError(f"prefill_last: {tokens_BxT.shape[0]} rows are not runs of {group}")
-        runs = prefill_last(
-            graphdef, params, tokens_BxT[::group], lengths_B[::group], max_len, layers
+        runs = prefill_last_features(
+            graphdef, params, tokens_BxT[::group], lengths_B[::group], max_len, features, layers
         )
         return jax.tree.map(lambda x: jnp.repeat(x, group, axis=0), runs)
     policy = nnx.merge(graphdef, params)
     cache = new_cache(policy.cfg, tokens_BxT.shape[0], max_len)
     positions_BxT = cache.positions(tokens_BxT.shape[1])
-    hidden_BxTxD, cache = policy.hidden(tokens_BxT, positions_BxT, cache, layers)
+    hidden_BxTxD, feats, cache = policy.hidden_features(
+        tokens_BxT, positions_BxT, cache, layers, features
+    )
     last_Bx1xD = jnp.take_along_axis(hidden_BxTxD, (lengths_B - 1)[:, None, None], axis=1)
     logits_BxV = policy.logits_from_hidden(last_Bx1xD, layers)[:, 0]
-    return logits_BxV, hidden_BxTxD, cache.advance(lengths_B)
+    return logits_BxV, hidden_BxTxD, feats, cache.advance(lengths_B)
 
 
 def graphdef_config(graphdef, params) -> ModelConfig:

@@ -621,6 +621,8 @@ class MTPBatch:
     hidden: jax.Array | None = None  # [B, T, D]
     target_lse: jax.Array | None = None  # [B, T]
     cycle_len: jax.Array | None = None  # [B, T] int32
+    # [B, T, F*D] the layers an MTP with `mtp.features` reads (`mtp.backbone_inputs`)
+    features: jax.Array | None = None
     target_floor: jax.Array | None = None  # [B, T]
     target_lse_kept: jax.Array | None = None  # [B, T]
 
@@ -652,13 +654,12 @@ def mtp_loss(
         pol_params = jax.lax.stop_gradient(pol_params)
         policy = nnx.merge(pol_gd, pol_params)
         tokens_BxT = batch.tokens
-        if batch.hidden is not None:  # precomputed (`stages.mtp.policy_hiddens`, verification)
-            hidden_BxTxD = jax.lax.stop_gradient(batch.hidden)
-        else:
-            positions = jnp.broadcast_to(jnp.arange(tokens_BxT.shape[1]), tokens_BxT.shape)
-            hidden_BxTxD = jax.lax.stop_gradient(policy.hidden(tokens_BxT, positions)[0])
+        # precomputed (`stages.mtp.policy_hiddens`, verification) or one policy forward
+        hidden_BxTxD, feats = mtp_lib.backbone_inputs(
+            nnx.merge(mtp_gd, mtp_params), policy, tokens_BxT, batch.hidden, batch.features
+        )
         draft_YxBxTxD = mtp_lib.train_hidden(
-            mtp_gd, mtp_params, pol_gd, pol_params, tokens_BxT, hidden_BxTxD, train_steps
+            mtp_gd, mtp_params, pol_gd, pol_params, tokens_BxT, feats, train_steps
         )
         stats = batch.target_stats()
         return draft_loss(

@@ -24,7 +24,15 @@ from bebop import mtp as mtp_lib
 from bebop.checkpoints import LoadedPolicy
 from bebop.checkpoints.tokenizer_files import read_char_tokenizer
 from bebop.ckpt import restore_params, restore_partial
-from bebop.config import ConfigError, ModelConfig, MTPConfig, PolicyConfig, RunConfig, check_vocab
+from bebop.config import (
+    ConfigError,
+    ModelConfig,
+    MTPConfig,
+    PolicyConfig,
+    RunConfig,
+    check_vocab,
+    resolve_features,
+)
 from bebop.finite import check_finite
 from bebop.tokenizer import BPETokenizer, CharTokenizer
 
@@ -103,9 +111,10 @@ def hf_tokenizer(directory: Path) -> BPETokenizer:
     return BPETokenizer.from_file(tok_file, eos_ids=eos_ids, pad_id=eos_ids[0])
 
 
-def abstract_mtp(pol_cfg: ModelConfig, num_layers: int):
-    """(graphdef, params as ShapeDtypeStructs) of an MTP, without allocating weights."""
-    return mtp_lib.abstract(pol_cfg, num_layers)
+def abstract_mtp(pol_cfg: ModelConfig, mtp_cfg: MTPConfig):
+    """(graphdef, params as ShapeDtypeStructs) of the MTP `mtp_cfg` describes (`num_layers`,
+    `features`, `depth`) for the policy `pol_cfg`, without allocating weights."""
+    return mtp_lib.abstract(pol_cfg, mtp_cfg.num_layers, mtp_cfg.features, mtp_cfg.depth)
 
 
 def init_mtp(cfg: RunConfig, policy: LoadedPolicy, mesh):
@@ -115,7 +124,8 @@ def init_mtp(cfg: RunConfig, policy: LoadedPolicy, mesh):
     if not cfg.mtp.init_from and cfg.mtp.init == "checkpoint":
         graphdef, params = shipped_mtp(cfg, policy)
         return graphdef, sharding.place_state(params, mesh)
-    graphdef, params = mtp_lib.init(policy.cfg, cfg.mtp.num_layers, cfg.seed + 100)
+    m = cfg.mtp
+    graphdef, params = mtp_lib.init(policy.cfg, m.num_layers, cfg.seed + 100, m.features, m.depth)
     if cfg.mtp.init_from:
         params = restore_mtp(Path(cfg.mtp.init_from), params, mesh, "mtp.init_from")
     elif cfg.mtp.init == "last_layer":
@@ -134,12 +144,20 @@ def shipped_mtp(cfg: RunConfig, policy: LoadedPolicy):
             f"checkpoint ships, but {where} has none; use mtp.init='random' or 'last_layer', or "
             "mtp.init_from=DIR"
         )
-    n = nnx.merge(*policy.mtp).num_layers
-    if n != cfg.mtp.num_layers:
-        raise ConfigError(
-            f"config key 'mtp.num_layers': {cfg.mtp.num_layers}, but {where} ships {n} MTP "
-            f"layer(s) ({policy.mtp_format} format) for mtp.init='checkpoint'"
-        )
+    shipped = nnx.merge(*policy.mtp)
+    want = {
+        "num_layers": cfg.mtp.num_layers,
+        "features": resolve_features(cfg.mtp.features, policy.cfg.num_layers),
+        "depth": cfg.mtp.depth,
+    }
+    for key, value in want.items():
+        got = getattr(shipped, key)
+        if got != value:
+            what = f"{got} MTP layer(s)" if key == "num_layers" else f"MTP layers with {key}={got}"
+            raise ConfigError(
+                f"config key 'mtp.{key}': {value}, but {where} ships {what} "
+                f"({policy.mtp_format} format) for mtp.init='checkpoint'"
+            )
     return policy.mtp
 
 
@@ -156,7 +174,7 @@ def restore_mtp(ckpt_dir: Path, abstract, mesh, key: str):
         raise ConfigError(
             f"config key '{key}': {ckpt_dir} holds {describe(saved_keys(ckpt_dir))} that does "
             f"not fit this MTP ({e}); expected {expected} of this policy with mtp.num_layers "
-            "layers"
+            "layers of mtp.depth blocks reading mtp.features"
         ) from e
     leaves = jax.tree.leaves(params)
     if not leaves or not all(isinstance(x, jax.Array) for x in leaves):  # keys it does not hold
@@ -173,7 +191,7 @@ def load_mtp(mtp: MTPConfig, ckpt_dir: Path, pol_cfg: ModelConfig, mesh):
     checkpoints are in `ckpt_dir` (an `mtp` stage's `DIR/mtp/ckpt`; its draft vocabulary sits
     next to it) on the policy architecture `pol_cfg`."""
     ckpt_dir = Path(ckpt_dir)
-    graphdef, abstract = abstract_mtp(pol_cfg, mtp.num_layers)
+    graphdef, abstract = abstract_mtp(pol_cfg, mtp)
     params = restore_mtp(ckpt_dir, abstract, mesh, "mtp.init_from")
     vocab = mtp_lib.load_draft_vocab(ckpt_dir.parent, pol_cfg.vocab_size)
     return graphdef, params, vocab
@@ -183,7 +201,7 @@ def load_rl(mtp: MTPConfig, workdir: Path, mesh, pol_cfg: ModelConfig):
     """(policy params, MTP params) from this run's `rl` checkpoints; `pol_cfg`: the policy's
     architecture (`LoadedPolicy.cfg`; for `policy.source=sft`, the `model` section)."""
     _, pol_abstract = model.abstract(pol_cfg)
-    _, mtp_abstract = abstract_mtp(pol_cfg, mtp.num_layers)
+    _, mtp_abstract = abstract_mtp(pol_cfg, mtp)
     target = {
         "policy": {"params": sharding.abstract_on_mesh(pol_abstract, mesh)},
         "mtp": {"params": sharding.abstract_on_mesh(mtp_abstract, mesh)},

@@ -263,7 +263,10 @@ def loop_cost_timers(pol, layers, mtp, vocab, batch, context, gammas, iters=16) 
         f"verify_{w}": functools.partial(verify, pol[1], layers, cache, w)
         for w in sorted({1, *[g + 1 for g in gammas]})
     }
-    mcache = mtp_lib.new_cache(cfg, nnx.merge(*mtp).num_layers, batch, context + iters + 2)
+    mtp_module = nnx.merge(*mtp)
+    mcache = mtp_lib.new_cache(
+        cfg, mtp_module.num_layers, batch, context + iters + 2, mtp_module.depth
+    )
     mcache = mcache.replace(lengths=jnp.full((batch,), context, jnp.int32))
 
     @jax.jit

@@ -7,11 +7,14 @@ width, S cache slots.
 
 One `lax.while_loop`; rows advance by different amounts, shapes stay static. A cycle is these
 phases, in this order (the functions of the same names):
-  `_catch_up`  the MTP consumes what the policy accepted last cycle (backbone hidden at t, token
-               t+1); its output at the last of these positions gives q for draft 1;
+  `_catch_up`  the MTP consumes what the policy accepted last cycle (backbone features at t,
+               fused, and token t+1); its output at the last of these positions gives q for
+               draft 1;
   `_draft`     Y tokens from the MTP chain (draft k >= 2 feeds on draft k-1's hidden);
   `_verify`    one policy forward over [pending token, d_1 .. d_Y] gives p_0 .. p_Y (p_j: the
-               target distribution of the token after position c + j);
+               target distribution of the token after position c + j) and the backbone features
+               the MTP reads (`mtp.features`: the outputs of the layers it reads, from the same
+               pass; `mtp_lib.fuse` turns them into its D-wide input once, here);
   `accept`     the rule's test per draft and the cycle's last token (residual or bonus);
   `_emit`      writes the accepted drafts and that token, cut at EOS and the token budget, with
                log-probs, entropies and acceptance statistics;
@@ -72,7 +75,9 @@ REJECTED, ACCEPTED, UNDRAFTED = 0, 1, 2
 class SpecConfig:
     num_draft: int = 3  # Y (γ)
     rule: str = "rejection"  # a key of DRAFT_RULES
-    record: bool = False  # also return backbone hiddens and per-cycle accept lengths (GrowMTP)
+    # Also return backbone hiddens (and the MTP's backbone features, when it reads other layers
+    # than the last) and per-cycle accept lengths (GrowMTP).
+    record: bool = False
     # Also record, per drafted position, the analytic acceptance the *other* rule would have had
     # for the same p and MTP distribution (`SpecStats.overlap_other`; the RS-vs-TO analysis).
     # At draft k >= 2 that q is conditioned on this rule's own earlier drafts.
@@ -119,6 +124,9 @@ class SpecOutput:
     # pending token) the number of tokens that cycle's verify accepted + 1, else 0 [B, P+N].
     hidden: jax.Array | None = None
     cycle_len: jax.Array | None = None
+    # With SpecConfig.record and an MTP reading other layers than the last (`mtp.features`):
+    # the features verification computed [B, P+N, F*D] (the layers' outputs concatenated).
+    features: jax.Array | None = None
 
 
 @struct.dataclass
@@ -127,7 +135,7 @@ class State:
     policy_cache: model.KVCache
     mtp_cache: model.KVCache
     pending_B: jax.Array  # last emitted token, not yet seen by the policy
-    catch_hid_BxWxD: jax.Array  # backbone hiddens of positions the MTP has not consumed yet
+    catch_hid_BxWxD: jax.Array  # fused backbone features of positions the MTP has not consumed
     catch_tok_BxW: jax.Array  # the token that followed each of them
     n_catch_B: jax.Array
     done_B: jax.Array
@@ -136,6 +144,7 @@ class State:
     stats: SpecStats
     hid_buf: jax.Array | None  # [B, P+N+max W, D] when recording
     cyc_buf: jax.Array | None  # [B, P+N+W]
+    feat_buf: jax.Array | None = None  # [B, P+N+max W, F*D] when recording a fused MTP's
 
 
 @dataclasses.dataclass(frozen=True)
@@ -156,6 +165,12 @@ class Models:
     # which `spec_compacted.regamma` consumes in chunks when a bucket drafts again.
     sync_mtp: bool = True
     mtp_slack: int = 0  # MTP cache slots past `max_len`, for those chunks' writes
+
+    @property
+    def collect(self) -> tuple[int, ...] | None:
+        """The decoder layers whose outputs the policy's forwards return for the MTP (None: it
+        reads the last hidden)."""
+        return mtp_lib.collected(self.mtp)
 
 
 def catch_width(num_draft: int, sync_mtp: bool, max_new: int, max_draft: int) -> int:
@@ -259,9 +274,11 @@ def init_state(m: Models, pol_gd, pol_params, prompt_BxP, prompt_lens_B, row_key
     n, y = scfg.max_new_tokens, m.max_draft
     w = catch_width(spec.num_draft, m.sync_mtp, n, y)
     g = scfg.prompt_group
-    last_BxV, hid_BxPxD, policy_cache = model.prefill_last(
-        pol_gd, pol_params, prompt_BxP, prompt_lens_B, m.max_len, m.layers, g
+    last_BxV, hid_BxPxD, feat_BxPxF, policy_cache = model.prefill_last_features(
+        pol_gd, pol_params, prompt_BxP, prompt_lens_B, m.max_len, m.collect, m.layers, g
     )
+    feat_BxPxF = hid_BxPxD if feat_BxPxF is None else feat_BxPxF
+    fused_BxPxD = mtp_lib.fuse(m.mtp, feat_BxPxF)
     first_B = draw(_fold(row_keys_B, 0), process_logits(last_BxV, scfg), scfg)
     first_logp_BxV = stats_logprobs(last_BxV, scfg)
 
@@ -269,18 +286,23 @@ def init_state(m: Models, pol_gd, pol_params, prompt_BxP, prompt_lens_B, row_key
     next_tok_BxP = jnp.where(
         jnp.arange(width)[None] == (prompt_lens_B - 1)[:, None], first_B[:, None], next_tok_BxP
     )
-    # With prompt groups, once per run: an MTP slot's K/V depend only on its own (hidden, next
-    # token), so slot P_b-1 (the row's first sampled token) is the only one that differs within
-    # a run; it lies past the kept length, and the first catch-up (or `regamma`'s consume after
-    # a γ = 0 bucket) rewrites it before anything attends to it.
-    mtp_cache = mtp_lib.new_cache(policy.cfg, m.mtp.num_layers, rows // g, m.max_len + m.mtp_slack)
+    # With prompt groups, once per run: an MTP slot's K/V depend only on the (features, next
+    # token) of the slots at or before it, so slot P_b-1 (the row's first sampled token) is the
+    # only kept one that differs within a run; it lies past the kept length, and the first
+    # catch-up (or `regamma`'s consume after a γ = 0 bucket) rewrites it before anything
+    # attends to it.
+    mtp_cache = mtp_lib.new_cache(
+        policy.cfg, m.mtp.num_layers, rows // g, m.max_len + m.mtp_slack, m.mtp.depth
+    )
     for j in range(m.mtp.num_layers):
-        mtp_cache = mtp_lib.write_kv(m.mtp, policy, j, mtp_cache, hid_BxPxD[::g], next_tok_BxP[::g])
+        mtp_cache = mtp_lib.write_kv(
+            m.mtp, policy, j, mtp_cache, fused_BxPxD[::g], next_tok_BxP[::g]
+        )
     if g > 1:
         mtp_cache = jax.tree.map(lambda x: jnp.repeat(x, g, axis=0), mtp_cache)
     mtp_cache = mtp_cache.advance(prompt_lens_B - 1)
-    catch_hid = jnp.zeros((rows, w, policy.cfg.dim), hid_BxPxD.dtype)
-    catch_hid = catch_hid.at[:, 0].set(_take(hid_BxPxD, prompt_lens_B - 1))
+    catch_hid = jnp.zeros((rows, w, policy.cfg.dim), fused_BxPxD.dtype)
+    catch_hid = catch_hid.at[:, 0].set(_take(fused_BxPxD, prompt_lens_B - 1))
     catch_tok = jnp.zeros((rows, w), jnp.int32).at[:, 0].set(first_B)
 
     zeros_f, zeros_i = jnp.zeros((rows, n + y + 1)), jnp.zeros((rows, n + y + 1), jnp.int32)
@@ -299,11 +321,14 @@ def init_state(m: Models, pol_gd, pol_params, prompt_BxP, prompt_lens_B, row_key
         overlap=zeros_f,
         overlap_other=zeros_f if spec.other_rule else None,
     )
-    hid_buf = cyc_buf = None
+    hid_buf = cyc_buf = feat_buf = None
     if spec.record:
         hid_buf = jnp.zeros((rows, m.max_len, policy.cfg.dim), hid_BxPxD.dtype)
         hid_buf = hid_buf.at[:, :width].set(hid_BxPxD)
         cyc_buf = jnp.zeros((rows, m.max_len), jnp.int32)
+        if m.collect is not None:
+            feat_buf = jnp.zeros((rows, m.max_len, feat_BxPxF.shape[-1]), feat_BxPxF.dtype)
+            feat_buf = feat_buf.at[:, :width].set(feat_BxPxF)
     return State(
         cycle=jnp.int32(0),
         policy_cache=policy_cache,
@@ -318,6 +343,7 @@ def init_state(m: Models, pol_gd, pol_params, prompt_BxP, prompt_lens_B, row_key
         stats=stats,
         hid_buf=hid_buf,
         cyc_buf=cyc_buf,
+        feat_buf=feat_buf,
     )
 
 
@@ -382,12 +408,17 @@ def _draft(m: Models, hid_Bx1xD, logits_BxVd, mtp_cache, anchor_B, keys_B):
 
 def _verify(m: Models, s: State, drafts_BxY):
     """One policy forward over [pending, d_1 .. d_Y] at each row's offset. Returns (logits
-    `[B, W, V]`, backbone hiddens `[B, W, D]`, policy cache advanced by W)."""
+    `[B, W, V]`, backbone hiddens `[B, W, D]`, the MTP's features `[B, W, F*D]` (the hiddens
+    themselves unless it reads other layers: `Models.collect`), policy cache advanced by W)."""
     w = drafts_BxY.shape[1] + 1
     tok_BxW = jnp.concatenate([s.pending_B[:, None], drafts_BxY], axis=1)
     positions_BxW = s.policy_cache.positions(w)
-    logits_BxWxV, hid_BxWxD, cache = m.policy(tok_BxW, positions_BxW, s.policy_cache, m.layers)
-    return logits_BxWxV, hid_BxWxD, cache.advance(jnp.full((tok_BxW.shape[0],), w, jnp.int32))
+    logits_BxWxV, hid_BxWxD, feat_BxWxF, cache = m.policy.forward_features(
+        tok_BxW, positions_BxW, s.policy_cache, m.layers, m.collect
+    )
+    feat_BxWxF = hid_BxWxD if feat_BxWxF is None else feat_BxWxF
+    cache = cache.advance(jnp.full((tok_BxW.shape[0],), w, jnp.int32))
+    return logits_BxWxV, hid_BxWxD, feat_BxWxF, cache
 
 
 def _emit(m: Models, s: State, drafts_BxY, n_acc_B, next_B, logits_BxWxV, logp_BxWxV, qs_BxYxVd):
@@ -438,24 +469,30 @@ def _emit(m: Models, s: State, drafts_BxY, n_acc_B, next_B, logits_BxWxV, logp_B
 
 
 def _roll_back(
-    m: Models, s: State, caches, n_acc_B, next_B, hid_BxWxD, emit_BxW, finished_B, outputs
+    m: Models, s: State, caches, n_acc_B, next_B, hiddens, emit_BxW, finished_B, outputs
 ) -> State:
     """The policy keeps the pending token and the accepted drafts; the cycle's last token becomes
-    pending; the positions the policy kept wait for the MTP's next catch-up."""
+    pending; the positions the policy kept wait for the MTP's next catch-up (their features,
+    fused once here). `hiddens`: the verify's (hiddens `[B, W, D]`, features `[B, W, F*D]`)."""
     policy_cache, mtp_cache = caches
     out, stats = outputs
+    hid_BxWxD, feat_BxWxF = hiddens
     live_B = ~s.done_B
     anchor_B = s.policy_cache.lengths
     w = emit_BxW.shape[1]
     policy_cache = policy_cache.rollback(jnp.where(live_B, anchor_B + n_acc_B + 1, anchor_B))
-    hid_buf, cyc_buf = s.hid_buf, s.cyc_buf
+    hid_buf, cyc_buf, feat_buf = s.hid_buf, s.cyc_buf, s.feat_buf
     if m.spec.record:  # done rows write into the spare last slot
-        hid_buf = _write_rows(hid_buf, hid_BxWxD, jnp.where(live_B, anchor_B, m.max_len - w))
+        at_B = jnp.where(live_B, anchor_B, m.max_len - w)
+        hid_buf = _write_rows(hid_buf, hid_BxWxD, at_B)
+        if feat_buf is not None:
+            feat_buf = _write_rows(feat_buf, feat_BxWxF, at_B)
         cycle_anchor_B = jnp.where(live_B, anchor_B - 1, m.max_len - 1)
         cyc_buf = _write_rows(cyc_buf, (n_acc_B + 1)[:, None], cycle_anchor_B)
-    catch_hid, catch_tok, n_catch = hid_BxWxD, emit_BxW, jnp.where(live_B, n_acc_B + 1, 0)
+    fused_BxWxD = mtp_lib.fuse(m.mtp, feat_BxWxF)
+    catch_hid, catch_tok, n_catch = fused_BxWxD, emit_BxW, jnp.where(live_B, n_acc_B + 1, 0)
     if not m.spec.num_draft and m.sync_mtp:  # deferred catch-up: append this position
-        catch_hid = _write_rows(s.catch_hid_BxWxD, hid_BxWxD, s.n_catch_B)
+        catch_hid = _write_rows(s.catch_hid_BxWxD, fused_BxWxD, s.n_catch_B)
         catch_tok = _write_rows(s.catch_tok_BxW, emit_BxW, s.n_catch_B)
         n_catch = s.n_catch_B + live_B.astype(jnp.int32)
     return State(
@@ -472,16 +509,17 @@ def _roll_back(
         stats=stats,
         hid_buf=hid_buf,
         cyc_buf=cyc_buf,
+        feat_buf=feat_buf,
     )
 
 
 def row_outputs(s: State) -> tuple:
     """What `finalise` reads: the per-row outputs (the caches and buffers stay behind)."""
-    return s.out, s.stats, s.hid_buf, s.cyc_buf
+    return s.out, s.stats, s.hid_buf, s.cyc_buf, s.feat_buf
 
 
 def finalise(scfg: SamplingConfig, record: bool, rows: tuple, prompt_width: int) -> SpecOutput:
-    o, st, hid_buf, cyc_buf = rows
+    o, st, hid_buf, cyc_buf, feat_buf = rows
     n = scfg.max_new_tokens
     mask_BxN = jnp.arange(n)[None] < o.lengths[:, None]
     sample_out = SampleOutput(
@@ -499,7 +537,8 @@ def finalise(scfg: SamplingConfig, record: bool, rows: tuple, prompt_width: int)
     if not record:
         return SpecOutput(sample_out, stats)
     width = prompt_width + n
-    return SpecOutput(sample_out, stats, hid_buf[:, :width], cyc_buf[:, :width])
+    feats = None if feat_buf is None else feat_buf[:, :width]
+    return SpecOutput(sample_out, stats, hid_buf[:, :width], cyc_buf[:, :width], feats)
 
 
 def make_models(
@@ -532,7 +571,7 @@ def _cycle(m: Models, s: State) -> State:
     drafts_BxY, d_idx_BxY, q_BxYxVd, q_other_BxYxVd, mtp_cache = _draft(
         m, hid_Bx1xD, logits_BxVd, mtp_cache, anchor_B, keys_B
     )
-    logits_BxWxV, hid_BxWxD, policy_cache = _verify(m, s, drafts_BxY)
+    logits_BxWxV, hid_BxWxD, feat_BxWxF, policy_cache = _verify(m, s, drafts_BxY)
     logp_BxWxV = process_logits(logits_BxWxV, scfg)
     n_acc_B, next_B = accept(
         _fold(keys_B, 0), logp_BxWxV, q_BxYxVd, d_idx_BxY, drafts_BxY, scfg, m.vocab_Vd
@@ -546,7 +585,7 @@ def _cycle(m: Models, s: State) -> State:
         (policy_cache, mtp_cache),
         n_acc_B,
         next_B,
-        hid_BxWxD,
+        (hid_BxWxD, feat_BxWxF),
         emit_BxW,
         finished_B,
         (out, stats),

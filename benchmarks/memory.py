@@ -203,6 +203,18 @@ def batch_sds(mesh, shape, dtype):
     )
 
 
+def _features_for(features, layers: int) -> tuple[int, ...]:
+    """`mtp.features` for a policy compiled `layers` deep: as configured where they fit, else the
+    last layers, as many (the same fusion width, hence the same memory)."""
+    from bebop.config import ConfigError, resolve_features
+
+    try:
+        return resolve_features(features, layers)
+    except ConfigError:
+        n = min(len(features), layers)
+        return tuple(range(layers - n, layers))
+
+
 def state_at(st: Setup, layers: int):
     """Abstract policy / MTP parameters and train states on the mesh, `layers` deep."""
     import jax
@@ -215,7 +227,9 @@ def state_at(st: Setup, layers: int):
     arch = dataclasses.replace(st.arch, num_layers=layers)
     pol_gd, pol_abs = model.abstract(arch)
     pol = sharding.abstract_on_mesh(pol_abs, st.mesh)
-    mtp_gd, mtp_abs = mtp_lib.abstract(arch, cfg.mtp.num_layers)
+    mtp_gd, mtp_abs = mtp_lib.abstract(
+        arch, cfg.mtp.num_layers, _features_for(cfg.mtp.features, layers), cfg.mtp.depth
+    )
     mtp = sharding.abstract_on_mesh(mtp_abs, st.mesh)
     opt = make_optimizer(cfg.rl.optim, cfg.rl.steps)
     mtp_opt = make_optimizer(cfg.rl.mtp_optim, cfg.rl.steps)
@@ -453,7 +467,8 @@ def programs(st: Setup, s: dict, names=None) -> dict:
     if spec is not None and (want("rollout_speculative") or want("speed_comparison_spec")):
         args = (*pol, s["mtp_gd"], s["mtp"], toks, lens, key, scfg, spec, None)
         est = sampler_estimate(arch, rows_local, p, new, spec.num_draft + 1)
-        est += kv_bytes(arch, rows_local, p + new + 2 * spec.num_draft + 2, cfg.mtp.num_layers)
+        mtp_blocks = cfg.mtp.num_layers * cfg.mtp.depth
+        est += kv_bytes(arch, rows_local, p + new + 2 * spec.num_draft + 2, mtp_blocks)
         out["rollout_speculative"] = (speculative.sample_jit, args, {}, 0, est, None)
         out["speed_comparison_spec"] = (None, None, None, 0, est, "rollout_speculative")
     if want("greedy_eval"):

@@ -107,7 +107,8 @@ def test_cached_hiddens_and_normalisers_give_the_same_loss_and_gradient(
     pol_gd, mtp_gd, mtp_params, pol_params, batch = setup
     fn = mtp_loss(pol_gd, mtp_gd, "e2e_tv", 3, 8, temperature, vocab=vocab, **cut)
     tokens = np.asarray(batch.tokens)
-    hiddens, stats = policy_hiddens(pol_gd, pol_params, tokens, 2, temperature, **cut)
+    hiddens, stats, feats = policy_hiddens(pol_gd, pol_params, tokens, 2, temperature, **cut)
+    assert feats is None  # the default MTP reads the last hidden state only
     assert hiddens.shape == (*tokens.shape, 32)
     assert sorted(stats) == sorted(["target_lse"] + ["target_floor", "target_lse_kept"] * bool(cut))
     assert all(v.shape == tokens.shape for v in stats.values())

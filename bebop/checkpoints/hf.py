@@ -23,7 +23,7 @@ from safetensors.numpy import save_file
 from bebop import model, sharding
 from bebop import mtp as mtp_lib
 from bebop.checkpoints import LoadedPolicy, names
-from bebop.config import ModelConfig
+from bebop.config import ConfigError, ModelConfig, resolve_features
 from bebop.io import DamagedFileError, read_json
 
 ARCHITECTURES = {
@@ -310,9 +310,12 @@ def _policy_name(path, layer):
     return names.POLICY[path]
 
 
-def load_source(source, cfg: ModelConfig, mesh, mtp_layers: int | None = None) -> LoadedPolicy:
+def load_source(
+    source, cfg: ModelConfig, mesh, mtp_layers: int | None = None, mtp_arch: dict | None = None
+) -> LoadedPolicy:
     """Loads policy (and MTP layers, when present) from a tensor source onto `mesh`, stored in
-    `cfg.param_dtype`."""
+    `cfg.param_dtype`. `mtp_arch`: the MTP's `features` and `depth` (config.json's `bebop_mtp`,
+    `names.MTP_EXTENSIONS`; absent: the last layer, depth 1)."""
     dtype = model.DTYPES[cfg.param_dtype]
     used: set[str] = set()
     graphdef, abstract = model.abstract(cfg)
@@ -325,10 +328,11 @@ def load_source(source, cfg: ModelConfig, mesh, mtp_layers: int | None = None) -
         limit = names.MTP_FORMATS[fmt]["max_layers"]
         if limit is not None and n > limit:
             raise CheckpointError(f"{source.label}: format {fmt} holds at most {limit} MTP layer")
-        mgd, mabs = mtp_lib.abstract(cfg, n)
+        features, depth = _mtp_arch(mtp_arch or {}, cfg, source.label)
+        mgd, mabs = mtp_lib.abstract(cfg, n, features, depth)
 
         def mtp_name(path, j):
-            return names.mtp_name(fmt, path[len("layers.") :], j, cfg.num_layers)
+            return names.mtp_name(fmt, _mtp_path(path), j, cfg.num_layers)
 
         marrays = _fill(mabs, mesh, source, mtp_name, used, dtype)
         mtp = (mgd, _assign(mabs, marrays))
@@ -340,7 +344,25 @@ def load_source(source, cfg: ModelConfig, mesh, mtp_layers: int | None = None) -
     return LoadedPolicy(cfg, graphdef, params, None, mtp, fmt if mtp is not None else None)
 
 
+def _mtp_path(path: str) -> str:
+    """An MTP parameter path as `names.mtp_name` reads it (the stacked layers' prefix off)."""
+    return path[len("layers.") :] if path.startswith("layers.") else path
+
+
+def _mtp_arch(arch: dict, cfg: ModelConfig, label: str) -> tuple[tuple[int, ...], int]:
+    """(features, depth) of a checkpoint's `bebop_mtp` entry, checked."""
+    features, depth = arch.get("features", [-1]), arch.get("depth", 1)
+    if not isinstance(depth, int) or isinstance(depth, bool) or depth < 1:
+        raise CheckpointError(f"{label}: bebop_mtp.depth must be a positive integer: {depth!r}")
+    try:
+        return resolve_features(features, cfg.num_layers, "bebop_mtp.features"), depth
+    except (ConfigError, TypeError) as e:
+        raise CheckpointError(f"{label}: {e}") from e
+
+
 def _count_mtp_layers(all_names, fmt, num_policy_layers) -> int:
+    if names.MTP_FORMATS[fmt]["max_layers"] == 1:  # its `mtp.layers.{i}` are a layer's blocks
+        return 1
     present = set(all_names)
     n = 0
     while names.mtp_name(fmt, "block.attn_norm.scale", n, num_policy_layers)[0] in present:
@@ -364,10 +386,33 @@ def load(
     if not isinstance(hf_cfg, dict):
         raise CheckpointError(f"{cfg_path}: expected a JSON object, got {type(hf_cfg).__name__}")
     cfg = config_from_hf(hf_cfg, str(cfg_path), dtype, scan_layers, param_dtype)
-    return load_source(*first_layers(SafetensorsSource(directory), cfg, num_layers), mesh)
+    arch = hf_cfg.get("bebop_mtp") or {}
+    if not isinstance(arch, dict):
+        raise CheckpointError(f"{cfg_path}: bebop_mtp must be an object, got {arch!r}")
+    source, cfg = first_layers(SafetensorsSource(directory), cfg, num_layers)
+    return load_source(source, cfg, mesh, mtp_arch=arch)
 
 
 # ----------------------------------------------------------------------------- export
+
+
+def _mtp_export_arch(mtp_params, features, cfg: ModelConfig) -> dict | None:
+    """config.json's `bebop_mtp` for an MTP's parameters (None: the last layer, depth 1)."""
+    paths = [p for p, _ in _paths(mtp_params)]
+    depth = 1 + len({p.split(".")[1] for p in paths if p.startswith("layers.block_")})
+    last = (cfg.num_layers - 1,)
+    features = last if features is None else resolve_features(features, cfg.num_layers)
+    fc = [v for p, v in _paths(mtp_params) if p == "fc_features"]
+    want = None if features == last else len(features) * cfg.dim
+    got = fc[0].get_value().shape[0] if fc else None
+    if want != got:
+        raise ValueError(
+            f"export: the MTP's fc_features has {got} input rows, but mtp_features={features} "
+            f"needs {want}"
+        )
+    if features == last and depth == 1:
+        return None
+    return {"features": list(features), "depth": depth}
 
 
 EXPORT_DTYPES = {"float32": np.float32, "bfloat16": jnp.bfloat16, "float16": np.float16}
@@ -392,10 +437,14 @@ def export(
     max_shard_bytes: int | None = None,
     dtype: str = "float32",
     base_config: dict | None = None,
+    mtp_features: tuple[int, ...] | None = None,
 ) -> None:
     """Writes config.json + safetensors (sharded with an index past `max_shard_bytes`), every
     tensor cast to `dtype`. `base_config`: a source checkpoint's config.json whose other keys
-    (token ids, `max_position_embeddings`, ...) are kept; the architecture keys are bebop's."""
+    (token ids, `max_position_embeddings`, ...) are kept; the architecture keys are bebop's.
+    `mtp_features`: the backbone layers the MTP reads (`mtp.MTP.features`; None: the last), with
+    its depth (counted from `mtp_params`) recorded as config.json's `bebop_mtp` when either
+    differs from the default (`names.MTP_EXTENSIONS`)."""
     if dtype not in EXPORT_DTYPES:
         raise ValueError(f"export dtype {dtype!r} unknown; choose one of {sorted(EXPORT_DTYPES)}")
     if model_type not in ARCHITECTURES:
@@ -416,12 +465,17 @@ def export(
                 tensors[name] = np.ascontiguousarray(y)
 
     put(params, _policy_name)
+    mtp_arch = None
     if mtp_params is not None:
+        mtp_arch = _mtp_export_arch(mtp_params, mtp_features, cfg)
         put(
             mtp_params,
-            lambda p, j: names.mtp_name(mtp_format, p[len("layers.") :], j, cfg.num_layers),
+            lambda p, j: names.mtp_name(mtp_format, _mtp_path(p), j, cfg.num_layers),
         )
     hf_cfg = dict(base_config or {})
+    hf_cfg.pop("bebop_mtp", None)
+    if mtp_arch is not None:
+        hf_cfg["bebop_mtp"] = mtp_arch
     for k in ("rope_scaling", "rope_parameters", "torch_dtype", "dtype", "architectures"):
         hf_cfg.pop(k, None)  # bebop's RoPE is the default one; the rest is rewritten below
     hf_cfg.update(config_to_hf(cfg, model_type))

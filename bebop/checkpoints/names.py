@@ -8,6 +8,16 @@ Policy (Qwen3 / Qwen2 / Llama): `model.embed_tokens`, `model.layers.{i}.*`, `mod
     plus the decoder-layer names; MiMo concatenates [hidden ; embedding] (bebop: [e ; h]);
   - `deepseek_v3`: `model.layers.{L+j}.{enorm,hnorm,eh_proj,shared_head.norm}` plus the decoder
     names under the same prefix (usable when that block is of the policy's type).
+bebop's extensions (no published checkpoint has them; `MTP_EXTENSIONS`): an MTP reading several
+backbone layers (`mtp.features`) has one fusion projection, HF shape `[D, F*D]` (a torch Linear:
+`[out, in]`; input columns are the F layers' hidden states in increasing layer order, D each):
+`mtp.fc_features.weight` (qwen3_5), `model.mtp_layers.0.fc_features.weight` (mimo),
+`model.layers.{L}.fc_features.weight` (deepseek_v3). With `mtp.depth` > 1 the decoder block i
+(0-based, run in that order) of MTP layer j is: `mtp.layers.{i}.*` (qwen3_5, one MTP layer;
+block 0 is the usual `mtp.layers.0`), `model.mtp_layers.{j}.blocks.{i}.*` (mimo) and
+`model.layers.{L+j}.blocks.{i}.*` (deepseek_v3) for i >= 1, block 0 under the usual prefix. The
+feature layers and depth are recorded in config.json as `"bebop_mtp": {"features": [...],
+"depth": d}` (absent: the last layer, depth 1).
 
 Layout transforms (`kind`), bebop shape <- HF shape:
   id        same array
@@ -79,16 +89,37 @@ MTP_FORMATS = {
     },
 }
 
+# bebop's MTP extensions by format (see the module doc): the fusion projection of several
+# backbone layers, and where a layer's blocks past the first live ({i}: the block index).
+MTP_EXTENSIONS = {
+    "qwen3_5": {"fc_features": "mtp.fc_features.weight", "depth_prefix": "mtp.layers.{i}."},
+    "mimo": {
+        "fc_features": "model.mtp_layers.0.fc_features.weight",
+        "depth_prefix": "model.mtp_layers.{j}.blocks.{i}.",
+    },
+    "deepseek_v3": {
+        "fc_features": "model.layers.{L}.fc_features.weight",
+        "depth_prefix": "model.layers.{L_plus_j}.blocks.{i}.",
+    },
+}
+
 IGNORED_SUFFIXES = ("rotary_emb.inv_freq",)
 
 
-def mtp_name(fmt: str, path: str, j: int, num_policy_layers: int) -> tuple[str, str]:
-    """HF (name, kind) of bebop MTP-layer path `path` (e.g. 'w_fc', 'block.attn.wq')."""
-    f = MTP_FORMATS[fmt]
+def mtp_name(fmt: str, path: str, j: int | None, num_policy_layers: int) -> tuple[str, str]:
+    """HF (name, kind) of bebop MTP path `path`: an MTP-layer path (e.g. 'w_fc',
+    'block.attn.wq', 'block_1.attn.wq' for the layer's second block) of MTP layer `j`, or the
+    MTP's own 'fc_features' (`j` None)."""
+    f, ext = MTP_FORMATS[fmt], MTP_EXTENSIONS[fmt]
+    if path == "fc_features":
+        return ext["fc_features"].format(L=num_policy_layers), "T"
     fill = {"j": j, "L_plus_j": num_policy_layers + j}
-    if path.startswith("block."):
-        name, kind = DECODER_LAYER[path[len("block.") :]]
-        return f["block_prefix"].format(**fill) + name, kind
+    head, _, rest = path.partition(".")
+    if head == "block" or head.startswith("block_"):
+        i = 0 if head == "block" else int(head[len("block_") :])
+        name, kind = DECODER_LAYER[rest]
+        prefix = f["block_prefix"] if i == 0 else ext["depth_prefix"]
+        return prefix.format(i=i, **fill) + name, kind
     name, kind = f[path]
     return f["prefix"].format(**fill) + name, kind
 

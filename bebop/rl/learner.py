@@ -15,7 +15,8 @@ loss reaches the policy (the policy's parameters enter MTP losses only as the fr
   joint    the MTP update is fused into the learner's jitted step (same batch, the pre-update
            policy's hiddens), with its own optimizer, LR and grad-norm clipping.
   growmtp  GrowMTP: a randomly initialised MTP trained with the `dca` loss on what verification
-           already computed: the recorded backbone hiddens seed the MTP (no extra backbone pass),
+           already computed: the recorded backbone hiddens (and the layers `mtp.features` names,
+           from the same verify) seed the MTP (no extra backbone pass),
            each verify cycle's length gates its chain, and the target p is the behaviour
            version's (the weights the verifier used, kept by the weight store), over
            min(mtp.train_steps, rollout.num_draft) chain steps (no cycle ever drafts more).
@@ -54,10 +55,14 @@ def rollout_records(cfg: RunConfig) -> tuple[bool, bool]:
 
 
 def mtp_batch(batch: loop.LearnerBatch, hidden: bool) -> MTPBatch:
-    """The MTP loss's view of a learner batch; `hidden=False` drops recorded hiddens (the
-    policy the update uses recomputes its own)."""
+    """The MTP loss's view of a learner batch; `hidden=False` drops recorded hiddens and
+    features (the policy the update uses recomputes its own)."""
     return MTPBatch(
-        batch.tokens, batch.mask, batch.hidden if hidden else None, cycle_len=batch.cycle_len
+        batch.tokens,
+        batch.mask,
+        batch.hidden if hidden else None,
+        cycle_len=batch.cycle_len,
+        features=batch.features if hidden else None,
     )
 
 

@@ -65,6 +65,8 @@ class LearnerBatch:
     # (last verified position) is t -- accepted drafts + 1 --, 0 where no cycle was anchored
     cycle_len: jax.Array | None = None
     hidden: jax.Array | None = None  # [B, S, D] the backbone hiddens verification computed
+    # [B, S, F*D] the layers an MTP with `mtp.features` reads, as verification computed them
+    features: jax.Array | None = None
 
 
 @dataclasses.dataclass

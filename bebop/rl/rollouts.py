@@ -277,6 +277,8 @@ class Rollouts:
                 data = data.replace(cycle_len=np.asarray(spec_out.cycle_len)[:, :width])
             if self.keep_hidden:
                 data = data.replace(hidden=np.asarray(spec_out.hidden)[:, :width])
+                if spec_out.features is not None:  # an MTP reading other layers than the last
+                    data = data.replace(features=np.asarray(spec_out.features)[:, :width])
         return loop.RolloutBatch(
             i, version, mtp_version, data, stats, timer.totals, drafts, rows, self.batch_size
         )

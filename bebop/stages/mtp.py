@@ -32,6 +32,7 @@ import numpy as np
 from flax import nnx
 
 from bebop import data, io, policies, prompts, rollout, sampling, sharding, speculative
+from bebop import mtp as mtp_lib
 from bebop.config import RunConfig
 from bebop.fit import fit
 from bebop.metrics import Progress
@@ -74,19 +75,22 @@ def policy_hiddens(
     rows=None,
     top_k: int = 0,
     top_p: float = 1.0,
+    features=None,
 ):
     """The frozen policy's last hidden states `[N, S, D]` and the normalisers of its distribution
     at `temperature` (and the sampler's `top_k` / `top_p`) over the full vocabulary
     (`mtp_losses.TargetStats` fields by `MTPBatch` name, each `[N, S]`; host, float32), per row:
-    everything of the target that does not change while only the MTP trains. With `mesh` (and
-    `rows`, this process's rows of a batch: `sharding.process_rows`), each batch is split over
-    the mesh's batch axis, so every device computes only its share, and gathered."""
+    everything of the target that does not change while only the MTP trains. With `features`
+    (an MTP's `mtp.collected` layers), a third: those layers' outputs `[N, S, F*D]`, from the
+    same pass (else None). With `mesh` (and `rows`, this process's rows of a batch:
+    `sharding.process_rows`), each batch is split over the mesh's batch axis, so every device
+    computes only its share, and gathered."""
 
     @jax.jit
     def fn(params, tokens_BxS):
         policy = nnx.merge(pol_gd, params)
         positions = jnp.broadcast_to(jnp.arange(tokens_BxS.shape[1]), tokens_BxS.shape)
-        hidden = policy.hidden(tokens_BxS, positions)[0]
+        hidden, feats, _ = policy.hidden_features(tokens_BxS, positions, features=features)
         stats = target_stats(
             policy.final_norm(hidden),
             policy.head_matrix(),
@@ -96,7 +100,10 @@ def policy_hiddens(
         )
         fields = {"target_lse": stats.lse, "target_floor": stats.floor}
         fields["target_lse_kept"] = stats.lse_kept
-        return hidden.astype(jnp.float32), {k: v for k, v in fields.items() if v is not None}
+        fields = {k: v for k, v in fields.items() if v is not None}
+        if features is not None:
+            fields["features"] = feats.astype(jnp.float32)
+        return hidden.astype(jnp.float32), fields
 
     n = tokens_NxS.shape[0]
     if mesh is not None and rows is None:
@@ -121,18 +128,21 @@ def policy_hiddens(
             bar.update(chunk.shape[0], chunk.size)
     finally:
         bar.close()
-    return hiddens, stats
+    feats = stats.pop("features", None)
+    return hiddens, stats, feats
 
 
-def _fingerprint(tokens_NxS, pol_params, temperature: float, top_k=0, top_p=1.0) -> str:
-    """What the cached target depends on: the distill tokens, the policy's weights, T and the
-    sampler's truncation."""
+def _fingerprint(tokens_NxS, pol_params, temperature: float, top_k=0, top_p=1.0, features=None):
+    """What the cached target depends on: the distill tokens, the policy's weights, T, the
+    sampler's truncation (and the feature layers, when cached)."""
     h = hashlib.sha256(np.ascontiguousarray(tokens_NxS).tobytes())
     for leaf in jax.tree.leaves(sharding.to_host(pol_params)):
         h.update(np.ascontiguousarray(leaf).tobytes())
     h.update(repr(float(temperature)).encode())
     if truncates(top_k, top_p):
         h.update(repr((int(top_k), float(top_p))).encode())
+    if features is not None:
+        h.update(repr(tuple(features)).encode())
     return h.hexdigest()
 
 
@@ -147,6 +157,7 @@ def cached_target(
     rows=None,
     top_k: int = 0,
     top_p: float = 1.0,
+    features=None,
 ):
     """`policy_hiddens` kept on disk next to the distill data (`target_T{T}/`, with a truncating
     sampler `target_T{T}_k{top_k}_p{top_p}/`), keyed by a hash of the tokens, the policy's
@@ -154,13 +165,16 @@ def cached_target(
     comparison, the loss ablation, a rerun) pays the backbone pass once. Read memory-mapped;
     a cache from other data or another policy is recomputed, never used. `mesh`, `rows`: the
     pass split over the mesh (`policy_hiddens`; its gathers are collectives, so every process
-    must see the same `distill_dir`, as for checkpoints)."""
+    must see the same `distill_dir`, as for checkpoints). `features` (an MTP's `mtp.collected`
+    layers): their outputs are cached too (`features.npy`, in `target_T{T}_f{layers}/`)."""
     temperature = max(temperature, 1e-3)
     name = f"target_T{temperature:g}"
     if truncates(top_k, top_p):
         name += f"_k{top_k}_p{top_p:g}"
+    if features is not None:
+        name += "_f" + "-".join(map(str, features))
     cdir = Path(distill_dir) / name
-    key = _fingerprint(tokens_NxS, pol_params, temperature, top_k, top_p)
+    key = _fingerprint(tokens_NxS, pol_params, temperature, top_k, top_p, features)
     meta = cdir / "meta.json"
     fields = ["target_lse"] + (
         ["target_floor", "target_lse_kept"] if truncates(top_k, top_p) else []
@@ -168,8 +182,10 @@ def cached_target(
     if meta.exists() and io.read_json(meta).get("fingerprint") == key:
         hid = io.load_array(cdir / "hidden.npy", ndim=3, kind="f", mmap=True)
         stats = {k: io.load_array(cdir / f"{k}.npy", ndim=2, kind="f", mmap=True) for k in fields}
+        if features is not None:
+            stats["features"] = io.load_array(cdir / "features.npy", ndim=3, kind="f", mmap=True)
         want = tuple(tokens_NxS.shape)
-        if hid.shape[:2] == want and all(v.shape == want for v in stats.values()):
+        if hid.shape[:2] == want and all(v.shape[:2] == want for v in stats.values()):
             logging.info("mtp: target hiddens from %s", cdir)
             return {"hidden": hid, **stats}
         logging.warning(
@@ -179,9 +195,11 @@ def cached_target(
             [v.shape for v in stats.values()],
             tokens_NxS.shape,
         )
-    hid, stats = policy_hiddens(
-        pol_gd, pol_params, tokens_NxS, batch_size, temperature, mesh, rows, top_k, top_p
+    hid, stats, feats = policy_hiddens(
+        pol_gd, pol_params, tokens_NxS, batch_size, temperature, mesh, rows, top_k, top_p, features
     )
+    if feats is not None:
+        stats["features"] = feats
     if sharding.is_primary():  # the others computed the same arrays
         cdir.mkdir(parents=True, exist_ok=True)
         io.save_array_atomic(cdir / "hidden.npy", hid)
@@ -257,6 +275,7 @@ def run(cfg: RunConfig, workdir: Path, mesh, stop_at_step: int | None = None) ->
             mesh,
             rows,
             **cut,
+            features=mtp_lib.collected(nnx.merge(mtp_gd, mtp_params)),
         )
 
     def make_batch(b):
