@@ -95,6 +95,7 @@ class Cluster:
         ]
         self.last_err = [""] * n  # each process's last non-empty stderr line
         self.signals = 0
+        self.signum = 0  # the signal passed on to the processes (0: none yet)
         pids = ", ".join(f"p{i}={p.pid}" for i, p in enumerate(self.procs))
         print(f"local_cluster: {n} processes on port {self.port}: {pids}", file=sys.stderr)
         self._lock = threading.Lock()
@@ -125,6 +126,7 @@ class Cluster:
         the same request again (the processes are already saving): it changes nothing."""
         self.signals += 1
         if self.signals == 1:
+            self.signum = signum
             self.signal_all(signum)
         elif signum == signal.SIGINT:
             self.signal_all(signal.SIGKILL)
@@ -137,10 +139,14 @@ class Cluster:
         failed = None
         while failed is None:
             codes = [p.poll() for p in self.procs]
-            bad = [i for i, c in enumerate(codes) if c not in (None, 0)]
+            # After a forwarded SIGTERM / SIGINT, a process that stopped as asked (128 + the
+            # signal) is done, not failed: its peers are still saving and get no signal again
+            # (one that arrives while a process shuts down would kill it).
+            done = {0} | ({128 + self.signum} if self.signum else set())
+            bad = [i for i, c in enumerate(codes) if c is not None and c not in done]
             if bad:  # seen together: a killed process is the cause, its peers' errors follow
                 failed = min(bad, key=lambda i: (codes[i] > 0, i))
-            elif all(c == 0 for c in codes):
+            elif all(c is not None for c in codes):
                 break
             else:
                 time.sleep(0.05)
@@ -155,7 +161,7 @@ class Cluster:
         for t in self.threads:
             t.join(timeout=5)
         if failed is None:
-            return 0, None
+            return max(p.returncode for p in self.procs), None
         rc = self.procs[failed].returncode
         return (128 - rc if rc < 0 else rc), failed
 
