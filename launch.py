@@ -185,17 +185,9 @@ def run_one(cfg, workdir: Path, args, argv) -> int:
     primary = jax.process_index() == 0
     workdir.mkdir(parents=True, exist_ok=True)
     # Later launches (resume, next stage) reuse compiled programs; a cache directory set in the
-    # environment (JAX_COMPILATION_CACHE_DIR, e.g. one shared by a cluster's jobs) wins. Each
-    # process of a multi-process run has its own folder in it: JAX writes a cache entry in
-    # place, and a process that reads an entry another is still writing crashes (a segfault in
-    # JAX's deserialisation), which processes compiling the same programs in lockstep invite.
-    cache = jax.config.jax_compilation_cache_dir
-    if cfg.compile_cache and not cache:
-        cache = str(workdir.absolute() / "jax_cache")
-    if cache and jax.process_count() > 1:
-        cache = str(Path(cache) / f"process_{jax.process_index()}")
-    if cache:
-        jax.config.update("jax_compilation_cache_dir", cache)
+    # environment (JAX_COMPILATION_CACHE_DIR, e.g. one shared by a cluster's jobs) wins.
+    if cfg.compile_cache and not jax.config.jax_compilation_cache_dir:
+        jax.config.update("jax_compilation_cache_dir", str(workdir.absolute() / "jax_cache"))
     lock = pipeline.WorkdirLock(workdir)
     fit.install_preemption_handler()
     try:

@@ -567,9 +567,7 @@ class RunConfig:
     max_param_growth: float = 100.0  # see `max_loss_spike`
     tensorboard: bool = False  # also write <stage>/tb (needs tensorboardX, in requirements.txt)
     profile_steps: int = 0  # jax.profiler trace of N steps after the first -> <stage>/profile
-    # persistent XLA compilation cache in <workdir>/jax_cache (a folder per process of a
-    # multi-process run)
-    compile_cache: bool = True
+    compile_cache: bool = True  # persistent XLA compilation cache in <workdir>/jax_cache
     # XLA without its expensive optimisation passes (FAST_COMPILE_XLA_FLAGS, set by launch.py
     # before JAX starts): about half the compile time, slower steps. For smoke runs whose time is
     # mostly compilation (SmolLM2's runlocal); the tests run with the same flags.

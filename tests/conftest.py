@@ -26,16 +26,13 @@ from bebop.config import ModelConfig  # noqa: E402, I001
 
 REPO = Path(__file__).resolve().parents[1]
 
-# A persistent compilation cache per test process: many tests build fresh closures over the same
+# One persistent compilation cache for the test run: many tests build fresh closures over the same
 # tiny models, which compile to identical programs; the cache turns the repeats into loads.
-# Subprocesses (`launch.py` runs) inherit it through the environment. Each pytest-xdist worker
-# has its own (PYTEST_XDIST_TESTRUNUID: the run, PYTEST_XDIST_WORKER: the worker): JAX writes an
-# entry in place, and a worker that read an entry the other was still writing (both compiling the
-# same program at once) crashed in JAX's deserialisation (a segfault).
+# Subprocesses (`launch.py` runs) inherit it through the environment; pytest-xdist workers share
+# one per run (PYTEST_XDIST_TESTRUNUID is the same in every worker of a run).
 _RUN = os.environ.get("PYTEST_XDIST_TESTRUNUID")
 if _RUN:
-    _WORKER = os.environ.get("PYTEST_XDIST_WORKER", "")
-    _CACHE = Path(tempfile.gettempdir()) / f"bebop-tests-jax-cache-{_RUN}-{_WORKER}"
+    _CACHE = Path(tempfile.gettempdir()) / f"bebop-tests-jax-cache-{_RUN}"
     _CACHE.mkdir(exist_ok=True)
     os.environ["JAX_COMPILATION_CACHE_DIR"] = str(_CACHE)
 else:

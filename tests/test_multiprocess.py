@@ -12,7 +12,6 @@ import subprocess
 import sys
 import threading
 import time
-from pathlib import Path
 
 import numpy as np
 import pytest
@@ -155,10 +154,6 @@ def test_two_processes_match_one_process_on_the_same_mesh(runs):
             )
     # the async loop reached its staleness bound in both (batch i from version i - 1)
     assert two["rl"]["max_staleness_seen"] == 1
-    # each process compiled into its own cache folder (one process never reads an entry the
-    # other is writing)
-    cache = Path(os.environ["JAX_COMPILATION_CACHE_DIR"])
-    assert all(any((cache / f"process_{i}").iterdir()) for i in (0, 1))
     # process 0 alone wrote the records: one line per logged step, across the restart
     assert [r["step"] for r in read_jsonl(runs[0] / "rl/metrics.jsonl")] == [1, 2, 3, 4]
     # Each process handles half of every global batch (the data axis of the 4-device mesh
