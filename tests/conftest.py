@@ -23,6 +23,7 @@ import jax  # noqa: E402
 import pytest  # noqa: E402
 
 from bebop.config import ModelConfig  # noqa: E402, I001
+from tests.mappings import MAP_LIMIT, memory_mappings  # noqa: E402
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -46,20 +47,22 @@ jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.0)
 jax.config.update("jax_persistent_cache_min_entry_size_bytes", 0)
 
 
-# Seconds each heavy file took on 2 loaded cores (per-file sums of `--durations`, commit 52ba353,
-# 2026-12-04; test_rl_stage.py: the whole former test_rl.py, whose time was mostly its pipeline
-# fixture and RL runs). With `--dist loadfile` pytest-xdist hands whole files to the 2 workers in
+# Seconds each heavy file took on 2 loaded cores (per-file sums of `--durations=0` of the full
+# suite, 2026-12-05). With `--dist loadfile` pytest-xdist hands whole files to the 2 workers in
 # collection order; its default reordering (by number of tests: `pyproject.toml` turns it off)
 # started the two slowest files by wall time, test_sft and test_multiprocess, among the last, so
 # one worker ran them alone at the end. Longest first is the classic schedule that keeps both
 # workers busy. Only the order matters here, not the exact figures.
 HEAVY_FILES_S = {
-    "test_speculative.py": 525,
-    "test_rl_stage.py": 494,
-    "test_sft.py": 327,
-    "test_compaction.py": 299,
-    "test_multiprocess.py": 281,
-    "test_mtp_train.py": 165,
+    "test_speculative.py": 300,
+    "test_compaction.py": 204,
+    "test_rl_stage.py": 183,
+    "test_memory_knobs.py": 147,
+    "test_mtp_features.py": 146,
+    "test_multiprocess.py": 136,
+    "test_mtp_truncation.py": 129,
+    "test_sft.py": 123,
+    "test_mtp_train.py": 104,
 }
 
 
@@ -80,3 +83,18 @@ def tiny_cfg() -> ModelConfig:
 def devices():
     assert jax.device_count() == 8, "conftest must set 8 fake CPU devices before importing jax"
     return jax.devices()
+
+
+# Every compiled CPU executable holds ~18 memory mappings of its own (its JIT code and data) until
+# JAX's caches drop it, and a pytest-xdist worker that runs a few hundred tests compiles tens of
+# thousands of programs (eager `lax.map` / `scan` calls over fresh closures compile anew each
+# call: `tests/test_mtp_truncation.py` alone adds ~130 mappings a second). At the kernel's
+# `vm.max_map_count` (65,530 by default) the next mmap fails and XLA segfaults while compiling or
+# loading a program, wherever the worker happens to be; pytest-xdist then waits forever for it.
+# Past half the limit, the caches are cleared (the mappings go with them; a later test
+# recompiles what it needs).
+@pytest.fixture(autouse=True)
+def _bounded_memory_mappings():
+    yield
+    if MAP_LIMIT and memory_mappings() > MAP_LIMIT // 2:
+        jax.clear_caches()

@@ -30,6 +30,7 @@ def _jit_init(make):
     return nnx.split(nnx.eval_shape(make))[0], jax.jit(lambda: nnx.split(make())[1])()
 
 
+@pytest.mark.slow
 def test_mtp_update_measures_the_acceptance_of_the_verification_under_top_k_top_p(tiny_cfg):
     """A real recorded speculative rollout with `rollout.top_k` and `rollout.top_p` both live,
     then the RL learner's own MTP update (GrowMTP's `dca`): the step-1 acceptance it measures
@@ -265,8 +266,10 @@ def test_truncated_gradients_equal_autodiff_of_a_naive_reference(name, vocab):
     assert float(jnp.abs(g).max()) > 1e-4
 
 
-@pytest.mark.parametrize("vocab", [None, SUB], ids=["full", "draft_vocab"])
-@pytest.mark.parametrize("chunk", [8, 64])
+@pytest.mark.slow
+@pytest.mark.parametrize(
+    ("chunk", "vocab"), [(8, None), (64, SUB)], ids=["chunked-full", "one_chunk-draft_vocab"]
+)
 @pytest.mark.parametrize("cut", [CUTS["both"], {"top_k": 1}, {"top_p": 1e-3}])
 def test_losses_and_gradients_stay_finite_under_truncation(cut, chunk, vocab):
     """Tokens off a support have probability 0 (log-probability -inf in the sampler): every
