@@ -88,7 +88,7 @@ def devices():
 # Every compiled CPU executable holds ~18 memory mappings of its own (its JIT code and data) until
 # JAX's caches drop it, and a pytest-xdist worker that runs a few hundred tests compiles tens of
 # thousands of programs (eager `lax.map` / `scan` calls over fresh closures compile anew each
-# call: `tests/test_mtp_truncation.py` alone adds ~130 mappings a second). At the kernel's
+# call: `tests/test_mtp_truncation.py` alone adds ~140 mappings a second). At the kernel's
 # `vm.max_map_count` (65,530 by default) the next mmap fails and XLA segfaults while compiling or
 # loading a program, wherever the worker happens to be; pytest-xdist then waits forever for it.
 # Past half the limit, the caches are cleared (the mappings go with them; a later test
