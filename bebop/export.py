@@ -78,27 +78,33 @@ def run_config(workdir: Path) -> config_lib.RunConfig:
     return cfg
 
 
-def weights(cfg, workdir: Path, stage: str, with_mtp: bool, mesh):
+def weights(
+    src: config_lib.PolicyConfig,
+    run_model: config_lib.ModelConfig,
+    m: config_lib.MTPConfig,
+    workdir: Path,
+    stage: str,
+    with_mtp: bool,
+    mesh,
+):
     """(policy as loaded, policy params to export, MTP (graphdef, params) or None, MTP
-    layout)."""
-    policy = policies.load(cfg.policy, cfg.model, workdir, mesh)
-    fmt = "qwen3_5" if cfg.mtp.num_layers == 1 else "deepseek_v3"
+    layout) of the run in `workdir` (its `policy`, `model` and `mtp` sections) after `stage`."""
+    policy = policies.load(src, run_model, workdir, mesh)
+    fmt = "qwen3_5" if m.num_layers == 1 else "deepseek_v3"
     if policy.mtp_format is not None:  # the checkpoint's own layout, if it holds n layers
         limit = names.MTP_FORMATS[policy.mtp_format]["max_layers"]
-        fmt = policy.mtp_format if limit is None or cfg.mtp.num_layers <= limit else fmt
+        fmt = policy.mtp_format if limit is None or m.num_layers <= limit else fmt
     if stage == "rl":
-        pol_params, mtp_params = policies.load_rl(cfg.mtp, workdir, mesh, policy.cfg)
-        mtp_gd = policies.abstract_mtp(policy.cfg, cfg.mtp)[0]
+        pol_params, mtp_params = policies.load_rl(m, workdir, mesh, policy.cfg)
+        mtp_gd = policies.abstract_mtp(policy.cfg, m)[0]
         return policy, pol_params, (mtp_gd, mtp_params) if with_mtp else None, fmt
     if stage == "mtp":
-        mtp_gd, mtp_params, _ = policies.load_mtp(
-            cfg.mtp, workdir / "mtp" / "ckpt", policy.cfg, mesh
-        )
+        mtp_gd, mtp_params, _ = policies.load_mtp(m, workdir / "mtp" / "ckpt", policy.cfg, mesh)
         return policy, policy.params, (mtp_gd, mtp_params), fmt
     if with_mtp and policy.mtp is None:
         raise ExportError(
-            f"--with_mtp --stage sft: the policy (policy.source={cfg.policy.source!r}"
-            f"{', ' + cfg.policy.path if cfg.policy.path else ''}) ships no MTP layers; export "
+            f"--with_mtp --stage sft: the policy (policy.source={src.source!r}"
+            f"{', ' + src.path if src.path else ''}) ships no MTP layers; export "
             "the trained MTP with --stage mtp or --stage rl"
         )
     return policy, policy.params, policy.mtp if with_mtp else None, fmt
@@ -139,7 +145,9 @@ def export_run(args) -> tuple[Path, str]:
     # One host device: export gathers every tensor to the host anyway.
     mesh = sharding.make_mesh(config_lib.MeshConfig(data=1), jax.devices("cpu")[:1])
     try:
-        policy, params, mtp, fmt = weights(cfg, workdir, stage, with_mtp, mesh)
+        policy, params, mtp, fmt = weights(
+            cfg.policy, cfg.model, cfg.mtp, workdir, stage, with_mtp, mesh
+        )
     except CheckpointRestoreError as e:
         raise ExportError(
             f"{workdir / 'config.json'} does not describe the checkpoints in {workdir} (was it "
@@ -153,7 +161,7 @@ def export_run(args) -> tuple[Path, str]:
             base_gen = read_json(src / "generation_config.json")
     model_type = base_cfg.get("model_type") or hf.model_type_for(policy.cfg)
     out.mkdir(parents=True, exist_ok=True)
-    ids = write_tokenizer(out, cfg, policy.tok, src)
+    ids = write_tokenizer(out, cfg.policy.source, policy.tok, src)
     if cfg.policy.source != "hf":
         base_cfg = {
             "bos_token_id": ids["bos"],

@@ -29,7 +29,6 @@ from bebop.config import (
     ModelConfig,
     MTPConfig,
     PolicyConfig,
-    RunConfig,
     check_vocab,
     resolve_features,
 )
@@ -117,26 +116,25 @@ def abstract_mtp(pol_cfg: ModelConfig, mtp_cfg: MTPConfig):
     return mtp_lib.abstract(pol_cfg, mtp_cfg.num_layers, mtp_cfg.features, mtp_cfg.depth)
 
 
-def init_mtp(cfg: RunConfig, policy: LoadedPolicy, mesh):
-    """(graphdef, params) on the mesh of the MTP a stage starts from: `mtp.init_from`, else by
-    `mtp.init` a random one, the backbone's last layer, or the MTP layers `policy`'s checkpoint
-    ships (`checkpoint`)."""
-    if not cfg.mtp.init_from and cfg.mtp.init == "checkpoint":
-        graphdef, params = shipped_mtp(cfg, policy)
+def init_mtp(m: MTPConfig, src: PolicyConfig, seed: int, policy: LoadedPolicy, mesh):
+    """(graphdef, params) on the mesh of the MTP a stage starts from: `m.init_from`, else by
+    `m.init` a random one (from the run's `seed`), the backbone's last layer, or the MTP layers
+    `policy`'s checkpoint (`src`) ships (`checkpoint`)."""
+    if not m.init_from and m.init == "checkpoint":
+        graphdef, params = shipped_mtp(m, src, policy)
         return graphdef, sharding.place_state(params, mesh)
-    m = cfg.mtp
-    graphdef, params = mtp_lib.init(policy.cfg, m.num_layers, cfg.seed + 100, m.features, m.depth)
-    if cfg.mtp.init_from:
-        params = restore_mtp(Path(cfg.mtp.init_from), params, mesh, "mtp.init_from")
-    elif cfg.mtp.init == "last_layer":
+    graphdef, params = mtp_lib.init(policy.cfg, m.num_layers, seed + 100, m.features, m.depth)
+    if m.init_from:
+        params = restore_mtp(Path(m.init_from), params, mesh, "mtp.init_from")
+    elif m.init == "last_layer":
         params = mtp_lib.init_from_last_layer(params, jax.device_get(policy.params))
     return graphdef, sharding.place_state(params, mesh)
 
 
-def shipped_mtp(cfg: RunConfig, policy: LoadedPolicy):
-    """(graphdef, params) of the MTP layers the policy checkpoint ships (`mtp.init=checkpoint`),
-    or an error naming the key and the checkpoint."""
-    src = cfg.policy
+def shipped_mtp(m: MTPConfig, src: PolicyConfig, policy: LoadedPolicy):
+    """(graphdef, params) of the MTP layers the policy checkpoint `src` ships
+    (`mtp.init=checkpoint`), checked against the MTP section `m`, or an error naming the key and
+    the checkpoint."""
     where = f"policy.source={src.source!r}" + (f" ({src.path})" if src.path else "")
     if policy.mtp is None:
         raise ConfigError(
@@ -146,9 +144,9 @@ def shipped_mtp(cfg: RunConfig, policy: LoadedPolicy):
         )
     shipped = nnx.merge(*policy.mtp)
     want = {
-        "num_layers": cfg.mtp.num_layers,
-        "features": resolve_features(cfg.mtp.features, policy.cfg.num_layers),
-        "depth": cfg.mtp.depth,
+        "num_layers": m.num_layers,
+        "features": resolve_features(m.features, policy.cfg.num_layers),
+        "depth": m.depth,
     }
     for key, value in want.items():
         got = getattr(shipped, key)

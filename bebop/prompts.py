@@ -200,7 +200,7 @@ class PromptLimits:
             batches.append(SamplerBatch(cfg.rl.eval_samples, "rl.eval_samples"))
         return cls(
             model_cfg.max_positions,
-            _positions_from(cfg),
+            _positions_from(cfg.policy.source),
             r.max_new_tokens,
             "rollout.max_new_tokens",
             tuple(batches),
@@ -218,7 +218,7 @@ class PromptLimits:
         batch = (SamplerBatch(rows, "sft.eval_samples"),)
         return cls(
             m.max_positions,
-            _positions_from(cfg),
+            _positions_from(cfg.policy.source),
             cfg.sft.seq_len,
             "sft.seq_len",
             batch,
@@ -261,12 +261,13 @@ class PromptLimits:
             )
 
 
-def _positions_from(cfg: RunConfig) -> str:
+def _positions_from(source: str) -> str:
+    """Where a policy from `source` (`policy.source`) gets its maximum positions."""
     return {
         "sft": "config key 'model.max_positions'",
         "hf": "max_position_embeddings of the policy's config.json",
         "gguf": "context_length of the policy's GGUF file",
-    }[cfg.policy.source]
+    }[source]
 
 
 def _cache_limit() -> tuple[int, str]:

@@ -420,7 +420,7 @@ def programs(st: Setup, s: dict, names=None) -> dict:
         )
         ref = s["pol"] if cfg.rl.kl_coef > 0 else None
         if hasattr(learner, "microbatch_rows"):
-            mb = learner.microbatch_rows(cfg, arch, width, nb)
+            mb = learner.microbatch_rows(cfg.rl, cfg.rollout, arch, width, nb)
         else:
             mb = cfg.rl.microbatch or rows
         st.microbatch = mb

@@ -2,7 +2,6 @@
 checkpoint`), and `python -m bebop.export`: transformers loads the exported run (weights, dtype,
 tokenizer, generation defaults) and computes bebop's logits."""
 
-import dataclasses
 import json
 
 import jax
@@ -136,7 +135,7 @@ def test_mtp_init_checkpoint_starts_from_the_shipped_layers_or_names_the_missing
     mesh = _mesh()
     cfg = _hf_run(tmp_path / "a", root / "mtp", ("mtp", {"init": "checkpoint"}))
     policy = policies.load(cfg.policy, cfg.model, tmp_path / "a", mesh)
-    _, params = policies.init_mtp(cfg, policy, mesh)  # the mtp stage's start
+    _, params = policies.init_mtp(cfg.mtp, cfg.policy, cfg.seed, policy, mesh)  # mtp stage's start
     _equal(params, mparams)
     # an rl-only run without an `mtp` stage drafts with the shipped layers (no draft vocabulary)
     _, params, vocab = rl_stage.load_draft_model(cfg, tmp_path / "a", policy, mesh)
@@ -144,12 +143,12 @@ def test_mtp_init_checkpoint_starts_from_the_shipped_layers_or_names_the_missing
     assert vocab is None
     plain = _hf_run(tmp_path / "b", root / "plain", ("mtp", {"init": "checkpoint"}))
     with pytest.raises(ConfigError, match=r"'mtp.init'.*plain.*has none"):
-        policies.init_mtp(
-            plain, policies.load(plain.policy, plain.model, tmp_path / "b", mesh), mesh
-        )
+        policy = policies.load(plain.policy, plain.model, tmp_path / "b", mesh)
+        policies.init_mtp(plain.mtp, plain.policy, plain.seed, policy, mesh)
     two = _hf_run(tmp_path / "c", root / "mtp", ("mtp", {"init": "checkpoint", "num_layers": 2}))
     with pytest.raises(ConfigError, match=r"'mtp.num_layers'.*ships 1 MTP layer"):
-        policies.init_mtp(two, policies.load(two.policy, two.model, tmp_path / "c", mesh), mesh)
+        policy = policies.load(two.policy, two.model, tmp_path / "c", mesh)
+        policies.init_mtp(two.mtp, two.policy, two.seed, policy, mesh)
     with pytest.raises(ConfigError, match=r"'mtp.init'.*'ckpt'"):
         config_lib.from_dict(RunConfig, {"mtp": {"init": "ckpt"}}).validate()
 
@@ -245,8 +244,7 @@ def test_gguf_tokenizer_files_encode_like_bebop(tmp_path):
         "{{ m['content'] }}<|im_end|>\n{% endfor %}",
     }
     tok = BPETokenizer.from_gguf_fields(fields)
-    cfg = dataclasses.replace(RunConfig(), policy=config_lib.PolicyConfig("gguf"))
-    ids = tokenizer_files.write_tokenizer(tmp_path, cfg, tok)
+    ids = tokenizer_files.write_tokenizer(tmp_path, "gguf", tok)
     assert ids == {"bos": n - 3, "eos": [n - 1, n - 3], "pad": n - 3}  # + <|endoftext|>
     ref = transformers.AutoTokenizer.from_pretrained(tmp_path)
     for s in ["the theme 1234", "héllo — 你好\n\t x", "<|im_start|>user\nhi<|im_end|>"]:

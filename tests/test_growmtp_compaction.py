@@ -48,7 +48,7 @@ def _two_rollouts(cfg, tiny_cfg):
         b: {"step": 1.0, "draft": 100.0, **{f"verify_{w}": 100.0 for w in range(2, g + 2)}}
         for b in compaction.bucket_sizes(ROWS, MIN_BUCKET)
     }
-    record, keep_hidden = learner.rollout_records(cfg)
+    record, keep_hidden = learner.rollout_records(cfg.rl)
     assert record
     src = rl_rollouts.Rollouts(
         cfg,

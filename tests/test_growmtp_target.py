@@ -41,7 +41,7 @@ def test_growmtp_target_is_the_behaviour_versions_distribution(tiny_cfg):
     mcfg = dataclasses.replace(tiny_cfg, vocab_size=tok.vocab_size, init_std=0.3)
     pol_gd, pol_params = _jit_init(lambda: model.Policy(mcfg, nnx.Rngs(params=0)))
     mtp_gd, mtp_params = _jit_init(lambda: mtp_lib.MTP(mcfg, 1, nnx.Rngs(params=1)))
-    record, keep_hidden = learner.rollout_records(cfg)
+    record, keep_hidden = learner.rollout_records(cfg.rl)
     assert record and keep_hidden
     rollouts = rl_rollouts.Rollouts(
         cfg, pol_gd, mtp_gd, tok, tasks.make_task(cfg.task), record, keep_hidden=keep_hidden
@@ -51,7 +51,8 @@ def test_growmtp_target_is_the_behaviour_versions_distribution(tiny_cfg):
     batch = rollouts(0, 0, pol_params, mtp_params, 0)
     updated = jax.jit(lambda p: perturb(p, 2, 0.1))(pol_params)  # the learner's update
     store.publish(1, updated, mtp_params, 0)
-    loss_name, steps = learner.mtp_objective(cfg)  # GrowMTP's loss: the `dca` entry
+    # GrowMTP's loss: the `dca` entry
+    loss_name, steps = learner.mtp_objective(cfg.rl, cfg.mtp.train_steps, cfg.rollout.num_draft)
     assert (loss_name, steps) == ("dca", cfg.rollout.num_draft)
     fn = mtp_loss(pol_gd, mtp_gd, loss_name, steps, cfg.mtp.chunk, cfg.rollout.temperature)
     alpha1 = jax.jit(lambda mp, b, pp: fn(mp, b, None, pp)[1]["gated_alpha_1"])

@@ -50,7 +50,7 @@ def test_an_exported_demo_tokenizer_reads_back_as_the_character_tokenizer(tmp_pa
     """The demo's tokenizer as `bebop.export` writes it, loaded as `policy.source=hf`: task
     prompts are the raw characters the demo policy was trained on, not a chat template."""
     tok = CharTokenizer()
-    write_tokenizer(tmp_path, RunConfig(), tok)
+    write_tokenizer(tmp_path, "sft", tok)
     back = policies.hf_tokenizer(tmp_path)
     assert not back.is_chat
     for i in range(5):
@@ -313,7 +313,7 @@ def test_mtp_init_from_an_sft_checkpoint_names_what_the_directory_holds(tmp_path
         ConfigError,
         match=r"'mtp\.init_from': .* holds a policy checkpoint.*expected an MTP checkpoint",
     ):
-        policies.init_mtp(cfg, policy, _mesh())
+        policies.init_mtp(cfg.mtp, cfg.policy, cfg.seed, policy, _mesh())
     with pytest.raises(ConfigError, match=r"holds a policy checkpoint.*expected an MTP checkpoint"):
         policies.load_mtp(cfg.mtp, tmp_path / "sft" / "ckpt", tiny_cfg, _mesh())
 

@@ -264,12 +264,13 @@ def test_auto_microbatch_fails_clearly_when_one_row_does_not_fit():
 def test_microbatch_rows_resolves_auto_from_the_config():
     plain, _ = config_lib.load(str(REPO / "configs/demo.py:runlocal"))
     rows = plain.rl.prompts_per_step * plain.rl.group_size  # 64
-    assert learner.microbatch_rows(plain, plain.model, 48) == rows  # 0: the whole batch
+    # rl.microbatch=0: the whole batch
+    assert learner.microbatch_rows(plain.rl, plain.rollout, plain.model, 48) == rows
     row = microbatch.learner_row_bytes(plain.model, 48)
 
     def auto(budget_bytes, shards=1):
         rl = dataclasses.replace(plain.rl, microbatch=-1, memory_budget_gb=budget_bytes / 1e9)
-        return learner.microbatch_rows(dataclasses.replace(plain, rl=rl), plain.model, 48, shards)
+        return learner.microbatch_rows(rl, plain.rollout, plain.model, 48, shards)
 
     assert auto(10.5 * row) == 8  # the largest divisor of 64 rows <= 10
     assert auto(10.5 * row, shards=4) == 32  # 8 rows on each of 4 devices
@@ -435,7 +436,7 @@ def test_auto_microbatch_learner_step_equals_the_whole_batch_step():
         return learn, learn.policy_step(state, batch, None), cfg, abstract
 
     learn, (auto_state, auto_m), cfg, state = run(-1, budget)
-    assert learner.microbatch_rows(cfg, m, width) == 16
+    assert learner.microbatch_rows(cfg.rl, cfg.rollout, m, width) == 16
     _, (whole_state, whole_m), _, _ = run(0, budget)
     assert learn.policy_step._cache_size() == 1
     np.testing.assert_allclose(float(auto_m["loss"]), float(whole_m["loss"]), atol=1e-6, rtol=1e-5)

@@ -48,7 +48,7 @@ def test_mtp_update_measures_the_acceptance_of_the_verification_under_top_k_top_
     mcfg = dataclasses.replace(tiny_cfg, vocab_size=tok.vocab_size, init_std=0.3)
     pol_gd, pol_params = _jit_init(lambda: model.Policy(mcfg, nnx.Rngs(params=0)))
     mtp_gd, mtp_params = _jit_init(lambda: mtp_lib.MTP(mcfg, 1, nnx.Rngs(params=1)))
-    record, keep_hidden = learner.rollout_records(cfg)
+    record, keep_hidden = learner.rollout_records(cfg.rl)
     rollouts = rl_rollouts.Rollouts(
         cfg, pol_gd, mtp_gd, tok, tasks.make_task(cfg.task), record, keep_hidden=keep_hidden
     )
@@ -73,7 +73,7 @@ def test_mtp_update_measures_the_acceptance_of_the_verification_under_top_k_top_
     assert online["gated_alpha_1"] == pytest.approx(verified, abs=1e-4)
 
     mb, behaviour = learner.growmtp_update_inputs(store, batch.data, batch.policy_version)
-    loss_name, steps = learner.mtp_objective(cfg)
+    loss_name, steps = learner.mtp_objective(cfg.rl, cfg.mtp.train_steps, cfg.rollout.num_draft)
     for cut in ({}, {"top_k": 8}, {"top_p": 0.8}):
         fn = L.mtp_loss(pol_gd, mtp_gd, loss_name, steps, 8192, cfg.rollout.temperature, **cut)
         other = jax.jit(lambda mp, b, pp, fn=fn: fn(mp, b, None, pp)[1]["gated_alpha_1"])

@@ -83,7 +83,6 @@ def write_tiny_hf(directory, model_type: str = "qwen3", seed: int = 0) -> ModelC
     SmolLM2's tokenizer; returns its architecture."""
     from bebop.checkpoints import hf
     from bebop.checkpoints.tokenizer_files import write_tokenizer
-    from bebop.config import PolicyConfig, RunConfig
 
     if model_type not in KINDS:
         raise ValueError(f"tiny model_type {model_type!r} unknown; known: {sorted(KINDS)}")
@@ -91,7 +90,7 @@ def write_tiny_hf(directory, model_type: str = "qwen3", seed: int = 0) -> ModelC
     directory.mkdir(parents=True, exist_ok=True)
     tok = smollm2_tokenizer()
     # the tokenizer files bebop.export writes for a GGUF policy (tokenizer.json, chat template)
-    ids = write_tokenizer(directory, RunConfig(policy=PolicyConfig(source="gguf")), tok)
+    ids = write_tokenizer(directory, "gguf", tok)
     cfg = model_config(model_type, tok.vocab_size)
     token_ids = {f"{k}_token_id": ids[k] for k in ("bos", "eos", "pad")}
     base = {"max_position_embeddings": KINDS[model_type]["max_position_embeddings"], **token_ids}

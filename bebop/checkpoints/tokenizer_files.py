@@ -42,18 +42,18 @@ def char_tokenizer_json(tok: CharTokenizer):
     return t
 
 
-def write_tokenizer(out: Path, cfg, tok, hf_source: Path | None = None) -> dict:
-    """Writes the tokenizer files of `cfg.policy`'s tokenizer `tok` (for an HF source: copied
-    from its directory `hf_source`); returns the special token ids {bos, eos, pad} (eos: a list
-    when there are several)."""
+def write_tokenizer(out: Path, source: str, tok, hf_source: Path | None = None) -> dict:
+    """Writes the tokenizer files of the tokenizer `tok` of a policy from `source`
+    (`policy.source`; for "hf": copied from its directory `hf_source`); returns the special token
+    ids {bos, eos, pad} (eos: a list when there are several)."""
     eos = list(tok.eos_ids)
     ids = {"bos": tok.bos_id, "eos": eos if len(eos) > 1 else eos[0], "pad": tok.pad_id}
-    if cfg.policy.source == "hf":
+    if source == "hf":
         for name in HF_TOKENIZER_FILES:
             if (hf_source / name).exists():
                 shutil.copy2(hf_source / name, out / name)
         return ids
-    if cfg.policy.source == "sft":  # the demo's CharTokenizer
+    if source == "sft":  # the demo's CharTokenizer
         fast, add_bos, template = char_tokenizer_json(tok), True, None
     else:  # GGUF: the BPE tokenizer bebop built from its metadata (parity-tested vs transformers)
         fast, add_bos = tok.tok, tok.add_bos

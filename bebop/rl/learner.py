@@ -31,7 +31,7 @@ from collections.abc import Callable
 
 import jax
 
-from bebop.config import ModelConfig, RunConfig
+from bebop.config import ModelConfig, RLConfig, RolloutConfig, RunConfig
 from bebop.mtp_losses import MTPBatch, mtp_loss
 from bebop.rl import grpo, loop, microbatch
 from bebop.train import NonFiniteError, check_nonfinite, jit_pinned, make_train_step, schedule
@@ -39,17 +39,18 @@ from bebop.train import NonFiniteError, check_nonfinite, jit_pinned, make_train_
 log = logging.getLogger(__name__)
 
 
-def mtp_objective(cfg: RunConfig) -> tuple[str, int]:
-    """(MTP loss name, chain steps trained) of the strategy's MTP updates."""
-    if cfg.rl.mtp_strategy == "growmtp":
-        return "dca", min(cfg.mtp.train_steps, cfg.rollout.num_draft)
-    return cfg.rl.mtp_loss, cfg.mtp.train_steps
+def mtp_objective(rl: RLConfig, train_steps: int, num_draft: int) -> tuple[str, int]:
+    """(MTP loss name, chain steps trained) of the strategy's MTP updates: `rl.mtp_loss` over
+    `train_steps` (`mtp.train_steps`) chained steps, or GrowMTP's DCA over the steps a cycle
+    drafts (at most `num_draft`, `rollout.num_draft`)."""
+    if rl.mtp_strategy == "growmtp":
+        return "dca", min(train_steps, num_draft)
+    return rl.mtp_loss, train_steps
 
 
-def rollout_records(cfg: RunConfig) -> tuple[bool, bool]:
+def rollout_records(rl: RLConfig) -> tuple[bool, bool]:
     """(record each verify cycle's length, also keep verification's hiddens): what the
     strategy's MTP updates read from the rollouts."""
-    rl = cfg.rl
     grow = rl.mtp_strategy == "growmtp"
     return grow or (rl.mtp_loss == "dca" and rl.mtp_strategy in ("online", "joint")), grow
 
@@ -107,18 +108,21 @@ class Learner:
 
 
 def microbatch_rows(
-    cfg: RunConfig, model_cfg: ModelConfig, seq_len: int, batch_shards: int = 1
+    rl: RLConfig,
+    rollout: RolloutConfig,
+    model_cfg: ModelConfig,
+    seq_len: int,
+    batch_shards: int = 1,
 ) -> int:
     """Rows per gradient-accumulation chunk of the policy update for rows of `seq_len` tokens:
     `rl.microbatch` when > 0, the whole batch when 0, and for -1 (auto) the largest divisor of
     the batch whose estimated activations (`microbatch.learner_row_bytes` of the policy
     `model_cfg`) on one of the `batch_shards` devices the rows are split over fit
     `rl.memory_budget_gb` (`microbatch.auto_microbatch`; a `ConfigError` if one row does not)."""
-    rl = cfg.rl
     rows = rl.prompts_per_step * rl.group_size
     if rl.microbatch >= 0:
         return rl.microbatch or rows
-    truncated = cfg.rollout.top_k > 0 or cfg.rollout.top_p < 1.0
+    truncated = rollout.top_k > 0 or rollout.top_p < 1.0
     row = microbatch.learner_row_bytes(
         model_cfg, seq_len, rl.logit_chunk, kl=rl.kl_coef > 0, truncated=truncated
     )
@@ -180,7 +184,7 @@ def build(
             logit_chunk=rl.logit_chunk,
         )
 
-    loss_name, train_steps = mtp_objective(cfg)
+    loss_name, train_steps = mtp_objective(rl, cfg.mtp.train_steps, cfg.rollout.num_draft)
     temp = max(cfg.rollout.temperature, 1e-3)
     # the verifier's distributions: the rollout sampler's temperature and truncation
     mtp_fn = mtp_loss(
@@ -211,7 +215,7 @@ def build(
     else:
 
         def pick(width):
-            return microbatch_rows(cfg, model_cfg, width, batch_shards)
+            return microbatch_rows(rl, cfg.rollout, model_cfg, width, batch_shards)
 
         policy_step = _by_width(make_policy_step, rows, pick, 1)
         joint_step = _by_width(make_joint_step, rows, pick, 2)

@@ -234,7 +234,7 @@ def run(cfg: RunConfig, workdir: Path, mesh, stop_at_step: int | None = None) ->
     m = cfg.mtp
     policy = policies.load(cfg.policy, cfg.model, workdir, mesh)
     pol_gd, pol_params, tok, pol_cfg = policy.graphdef, policy.params, policy.tok, policy.cfg
-    mtp_gd, mtp_params = policies.init_mtp(cfg, policy, mesh)
+    mtp_gd, mtp_params = policies.init_mtp(m, cfg.policy, cfg.seed, policy, mesh)
     optimizer = make_optimizer(m.optim, m.steps)
     state = sharding.replicate_unplaced(
         TrainState.create(mtp_params, optimizer, cfg.seed + 101), mesh

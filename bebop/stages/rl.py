@@ -62,7 +62,7 @@ def load_draft_model(cfg: RunConfig, workdir: Path, policy, mesh):
     error naming the missing one."""
     ckpt_dir = Path(workdir) / "mtp" / "ckpt"
     if cfg.rollout.mode == "plain" or (cfg.rl.mtp_strategy == "growmtp" and not cfg.mtp.init_from):
-        return (*policies.init_mtp(cfg, policy, mesh), None)
+        return (*policies.init_mtp(cfg.mtp, cfg.policy, cfg.seed, policy, mesh), None)
     has_ckpt = lambda d: d.is_dir() and any(p.name.isdigit() for p in d.iterdir())  # noqa: E731
     if not has_ckpt(ckpt_dir) and cfg.mtp.init_from and "mtp" not in cfg.stages:
         other = Path(cfg.mtp.init_from)
@@ -71,7 +71,7 @@ def load_draft_model(cfg: RunConfig, workdir: Path, policy, mesh):
         return policies.load_mtp(cfg.mtp, other, policy.cfg, mesh)
     if not has_ckpt(ckpt_dir):
         if cfg.mtp.init == "checkpoint" and not cfg.mtp.init_from:
-            return (*policies.init_mtp(cfg, policy, mesh), None)
+            return (*policies.init_mtp(cfg.mtp, cfg.policy, cfg.seed, policy, mesh), None)
         raise FileNotFoundError(
             f"rl: rollout.mode={cfg.rollout.mode!r} with rl.mtp_strategy="
             f"{cfg.rl.mtp_strategy!r} drafts with the trained MTP, but {ckpt_dir} holds no "
@@ -222,7 +222,7 @@ def set_up(cfg: RunConfig, workdir: Path, mesh, task) -> RLRun:
     mtp_gd, mtp_params, vocab = load_draft_model(cfg, workdir, policy, mesh)
     opt = make_optimizer(rl.optim, rl.steps)
     mtp_opt = make_optimizer(rl.mtp_optim, rl.steps)
-    record, keep_hidden = learner.rollout_records(cfg)
+    record, keep_hidden = learner.rollout_records(cfg.rl)
     r = RLRun(
         cfg=cfg,
         rdir=rdir,
