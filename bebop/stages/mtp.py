@@ -230,84 +230,20 @@ def patience_stop(patience: int, key: str = "rejection/accept_len"):
 
 
 def run(cfg: RunConfig, workdir: Path, mesh, stop_at_step: int | None = None) -> dict:
-    sdir = Path(workdir) / "mtp"
-    m = cfg.mtp
+    """The stage: set up the frozen policy and the MTP, train it on the distilled samples with
+    held-out evaluation, write `DIR/mtp/summary.json`."""
+    sdir, m = Path(workdir) / "mtp", cfg.mtp
     policy = policies.load(cfg.policy, cfg.model, workdir, mesh)
-    pol_gd, pol_params, tok, pol_cfg = policy.graphdef, policy.params, policy.tok, policy.cfg
     mtp_gd, mtp_params = policies.init_mtp(m, cfg.policy, cfg.seed, policy, mesh)
     optimizer = make_optimizer(m.optim, m.steps)
     state = sharding.replicate_unplaced(
         TrainState.create(mtp_params, optimizer, cfg.seed + 101), mesh
     )
     source = data.DistillSource(Path(workdir) / "distill")
-    vocab = None
-    if m.draft_vocab:
-        vocab = select_draft_vocab(
-            source.tokens, source.mask, m.draft_vocab, tok.eos_ids, pol_cfg.vocab_size
-        )
-        sdir.mkdir(parents=True, exist_ok=True)
-        if sharding.is_primary():  # every process selected the same vocabulary
-            io.save_array_atomic(sdir / "draft_vocab.npy", vocab)
-    r = cfg.rollout
-    temp, cut = r.temperature, dict(top_k=r.top_k, top_p=r.top_p)  # the verifier's p and q
-    steps = {
-        name: make_train_step(
-            mtp_loss(pol_gd, mtp_gd, name, m.train_steps, m.chunk, temp, vocab, **cut), optimizer
-        )
-        for name in {m.loss, m.warmup_loss}
-    }
-
-    def train_step(state, batch):  # the warm-up loss for the first warmup_loss_steps steps
-        name = m.warmup_loss if int(state.step) < m.warmup_loss_steps else m.loss
-        return steps[name](state, batch, pol_params)
-
-    rows = sharding.process_rows(mesh, m.batch_size)  # this process's share of each batch
-    it = iter(data.distill_dataset(Path(workdir) / "distill", m.batch_size, cfg.seed, rows))
-    cached = {}
-    if m.cache_hidden:  # the frozen target's hiddens and log-normalisers, computed once
-        cached = cached_target(
-            Path(workdir) / "distill",
-            pol_gd,
-            pol_params,
-            source.tokens,
-            m.batch_size,
-            temp,
-            mesh,
-            rows,
-            **cut,
-            features=mtp_lib.collected(nnx.merge(mtp_gd, mtp_params)),
-        )
-
-    def make_batch(b):
-        b = MTPBatch(b["tokens"], b["mask"], **{k: v[b["index"]] for k, v in cached.items()})
-        return sharding.batch_from_process_rows(b, mesh, m.batch_size)
-
-    seq_len = source.tokens.shape[1]
-    # Held-out prompts of the distillation's own kind (the RL task), and optionally mixed chat.
-    limits = prompts.PromptLimits.of(cfg, pol_cfg)  # checked before a sampler allocates
-    ids = prompts.prompt_ids(
-        cfg.task, cfg.seed, tok, m.eval_prompts, "eval", cfg.distill.prompts, limits
-    )
-    eval_sets = {"": ids}
-    if m.eval_mixed_prompts:
-        n = m.eval_mixed_prompts
-        eval_sets["mixed/"] = prompts.prompt_ids(
-            cfg.task, cfg.seed, tok, n, "eval", "mixed", limits
-        )
-
-    # Sets of one size share the compiled samplers at one width; else each keeps its own.
-    one_size = len({len(ids) for ids in eval_sets.values()}) == 1
-    width = max(sampling.pad_prompts(ids, tok.pad_id)[0].shape[1] for ids in eval_sets.values())
-    width = width if one_size else 0
-
-    def eval_fn(state):
-        res = {}
-        for prefix, ids in eval_sets.items():
-            pol, mtp = (pol_gd, pol_params), (mtp_gd, state.params)
-            out = evaluate(pol, mtp, tok, cfg, ids, m.eval_draft, vocab, width)
-            res.update({prefix + k: v for k, v in out.items()})
-        return res
-
+    vocab = draft_vocab(m, source, policy, sdir)
+    train_step = train_step_of(cfg, policy, mtp_gd, vocab, optimizer)
+    it, make_batch = batches(cfg, workdir, mesh, source, policy, nnx.merge(mtp_gd, mtp_params))
+    eval_fn = evaluator(cfg, policy, mtp_gd, vocab)
     before = eval_fn(state)
     res = fit(
         "mtp",
@@ -319,14 +255,13 @@ def run(cfg: RunConfig, workdir: Path, mesh, stop_at_step: int | None = None) ->
         make_batch,
         total_steps=m.steps,
         log_every=m.log_every,
-        tokens_per_step=m.batch_size * seq_len,
+        tokens_per_step=m.batch_size * source.tokens.shape[1],
         lr_at=schedule(m.optim, m.steps),
         eval_fn=eval_fn,
         eval_every=m.eval_every,
         stop_at_step=stop_at_step,
         stop_fn=patience_stop(m.patience, "rejection/accept_len") if m.patience else None,
     )
-    after = res.last_eval or eval_fn(res.state)
     summary = {
         "stage": "mtp",
         "loss": m.loss,
@@ -338,8 +273,106 @@ def run(cfg: RunConfig, workdir: Path, mesh, stop_at_step: int | None = None) ->
         "final_loss": res.last_metrics.get("loss"),
         "train_time_s": res.train_time_s,
         "before": before,
-        "after": after,
+        "after": res.last_eval or eval_fn(res.state),
     }
     if sharding.is_primary():
         io.write_json_atomic(sdir / "summary.json", summary)
     return summary
+
+
+def draft_vocab(m, source: data.DistillSource, policy, sdir: Path):
+    """The draft head's vocabulary (`mtp.draft_vocab` most frequent response tokens, saved as
+    `DIR/mtp/draft_vocab.npy` for the samplers), or None for the full vocabulary."""
+    if not m.draft_vocab:
+        return None
+    tok = policy.tok
+    vocab = select_draft_vocab(
+        source.tokens, source.mask, m.draft_vocab, tok.eos_ids, policy.cfg.vocab_size
+    )
+    sdir.mkdir(parents=True, exist_ok=True)
+    if sharding.is_primary():  # every process selected the same vocabulary
+        io.save_array_atomic(sdir / "draft_vocab.npy", vocab)
+    return vocab
+
+
+def train_step_of(cfg: RunConfig, policy, mtp_gd, vocab, optimizer):
+    """`train_step(state, batch)`: `mtp.loss`, after `mtp.warmup_loss` for the first
+    `mtp.warmup_loss_steps` steps, at the rollouts' temperature and truncation (the verifier's p
+    and q), the frozen policy an explicit argument."""
+    m, r = cfg.mtp, cfg.rollout
+    cut = dict(top_k=r.top_k, top_p=r.top_p)
+    steps = {
+        name: make_train_step(
+            mtp_loss(
+                policy.graphdef, mtp_gd, name, m.train_steps, m.chunk, r.temperature, vocab, **cut
+            ),
+            optimizer,
+        )
+        for name in {m.loss, m.warmup_loss}
+    }
+
+    def train_step(state, batch):
+        name = m.warmup_loss if int(state.step) < m.warmup_loss_steps else m.loss
+        return steps[name](state, batch, policy.params)
+
+    return train_step
+
+
+def batches(cfg: RunConfig, workdir: Path, mesh, source: data.DistillSource, policy, mtp_module):
+    """(iterator over this process's rows of the distill batches, `make_batch` turning one into
+    the global `MTPBatch`), with the frozen target's cached hiddens and normalisers
+    (`mtp.cache_hidden`; the layers `mtp_module` reads) joined by row index."""
+    m, r = cfg.mtp, cfg.rollout
+    rows = sharding.process_rows(mesh, m.batch_size)  # this process's share of each batch
+    it = iter(data.distill_dataset(Path(workdir) / "distill", m.batch_size, cfg.seed, rows))
+    cached = {}
+    if m.cache_hidden:  # the frozen target's hiddens and log-normalisers, computed once
+        cached = cached_target(
+            Path(workdir) / "distill",
+            policy.graphdef,
+            policy.params,
+            source.tokens,
+            m.batch_size,
+            r.temperature,
+            mesh,
+            rows,
+            top_k=r.top_k,
+            top_p=r.top_p,
+            features=mtp_lib.collected(mtp_module),
+        )
+
+    def make_batch(b):
+        b = MTPBatch(b["tokens"], b["mask"], **{k: v[b["index"]] for k, v in cached.items()})
+        return sharding.batch_from_process_rows(b, mesh, m.batch_size)
+
+    return it, make_batch
+
+
+def evaluator(cfg: RunConfig, policy, mtp_gd, vocab):
+    """`eval_fn(state)`: real speculative rollouts of the MTP in `state` on held-out prompts of
+    the distillation's own kind (the RL task) and, with `mtp.eval_mixed_prompts`, mixed chat."""
+    m, tok = cfg.mtp, policy.tok
+    limits = prompts.PromptLimits.of(cfg, policy.cfg)  # checked before a sampler allocates
+    eval_sets = {
+        "": prompts.prompt_ids(
+            cfg.task, cfg.seed, tok, m.eval_prompts, "eval", cfg.distill.prompts, limits
+        )
+    }
+    if m.eval_mixed_prompts:
+        eval_sets["mixed/"] = prompts.prompt_ids(
+            cfg.task, cfg.seed, tok, m.eval_mixed_prompts, "eval", "mixed", limits
+        )
+    # Sets of one size share the compiled samplers at one width; else each keeps its own.
+    one_size = len({len(ids) for ids in eval_sets.values()}) == 1
+    width = max(sampling.pad_prompts(ids, tok.pad_id)[0].shape[1] for ids in eval_sets.values())
+    width = width if one_size else 0
+    pol = (policy.graphdef, policy.params)
+
+    def eval_fn(state):
+        res = {}
+        for prefix, ids in eval_sets.items():
+            out = evaluate(pol, (mtp_gd, state.params), tok, cfg, ids, m.eval_draft, vocab, width)
+            res.update({prefix + k: v for k, v in out.items()})
+        return res
+
+    return eval_fn
