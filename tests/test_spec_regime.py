@@ -1,0 +1,32 @@
+"""The regime study's arithmetic (experiments/spec_regime): settings parse or fail naming the
+flag; Amdahl's bound and the end-to-end ratio on hand-made arm figures."""
+
+import pytest
+
+from experiments.spec_regime.run import parse_setting, setting_figures
+
+
+def test_settings_parse_and_bad_ones_name_the_flag():
+    assert parse_setting("4x8:96") == (4, 8, 96)
+    for bad in ("4x8", "4*8:96", "1x1:96", "0x8:96"):
+        with pytest.raises(SystemExit, match="--settings"):
+            parse_setting(bad)
+
+
+def _arm(rl_s, rollout_s, train_s, tokens):
+    return dict(
+        rl_s_after_step_1=rl_s, rollout_s=rollout_s, train_s=train_s, response_tokens=tokens
+    )
+
+
+def test_amdahl_bound_and_ratios_on_hand_made_arms():
+    # plain: 100 s of which 40 s rollouts; speculative rollouts take 20 s (2x), RL 85 s
+    plain, spec = _arm(100.0, 40.0, 55.0, 1000), _arm(85.0, 20.0, 60.0, 1000)
+    f = setting_figures(plain, spec)
+    assert f["rollout_speedup"] == pytest.approx(2.0)
+    assert f["rollout_share_of_plain_step"] == pytest.approx(0.4)
+    assert f["amdahl_bound"] == pytest.approx(1 / (0.6 + 0.2))  # 1.25x at most
+    assert f["e2e_speedup"] == pytest.approx(100 / 85)
+    assert f["learner_s_per_sampled_token"] == pytest.approx(0.055)
+    # rollouts that are not faster bound the end to end at 1
+    assert setting_figures(plain, _arm(100.0, 40.0, 55.0, 1000))["amdahl_bound"] == 1.0
