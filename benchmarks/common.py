@@ -76,10 +76,20 @@ def load_models(args, mesh):
     mtp_gd, mtp_params = mtp_lib.init(pol_cfg, 1, seed=0)
     source, vocab = "random init", None
     if args.mtp_ckpt:  # DIR/mtp/ckpt; the draft vocabulary, if any, is DIR/mtp/draft_vocab.npy
-        mtp_gd, mtp_params, vocab = policies.load_mtp(cfg.mtp, Path(args.mtp_ckpt), pol_cfg, mesh)
+        mtp_cfg = trained_mtp_config(Path(args.mtp_ckpt), cfg.mtp)
+        mtp_gd, mtp_params, vocab = policies.load_mtp(mtp_cfg, Path(args.mtp_ckpt), pol_cfg, mesh)
         source = args.mtp_ckpt
     ids = prompts.prompt_ids(cfg.task, cfg.seed, tok, args.num_prompts, "bench", args.prompts)
     return (pol_gd, pol_params), (mtp_gd, mtp_params), vocab, tok, ids, source
+
+
+def trained_mtp_config(ckpt: Path, fallback: config_lib.MTPConfig) -> config_lib.MTPConfig:
+    """The `mtp` section of the run that trained checkpoint `ckpt` (DIR/mtp/ckpt: DIR/config.json,
+    which says its layers, depth and features), else `fallback`."""
+    saved = ckpt.parent.parent / "config.json"
+    if not saved.exists():
+        return fallback
+    return config_lib.from_dict(config_lib.RunConfig, json.loads(saved.read_text())).mtp
 
 
 def sampling_config(tok, temperature: float, new_tokens: int) -> sampling.SamplingConfig:

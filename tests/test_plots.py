@@ -184,7 +184,7 @@ def test_study2_helpers_pay_from_the_last_crossing_and_split_acceptance_by_entro
 def test_loss_ablation_delta_stands_on_the_prompts_both_arms_share():
     """An arm evaluated on more held-out prompts than CE is compared on CE's prompts (the common
     prefix): the extra prompts move neither the difference nor its prompt count."""
-    from experiments.mtp_loss_ablation.run import paired_delta
+    from experiments.mtp_arms import paired_delta
 
     ce = [[1, 2, 3, 4], [4, 4, 4, 4]]  # accepts, attempts per prompt: 10 / 16
     arm = [[2, 3, 3, 4, 0, 0], [4, 4, 4, 4, 9, 9]]  # 12 / 16 on the first four

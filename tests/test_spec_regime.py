@@ -28,5 +28,10 @@ def test_amdahl_bound_and_ratios_on_hand_made_arms():
     assert f["amdahl_bound"] == pytest.approx(1 / (0.6 + 0.2))  # 1.25x at most
     assert f["e2e_speedup"] == pytest.approx(100 / 85)
     assert f["learner_s_per_sampled_token"] == pytest.approx(0.055)
+    # the speculative arm sampled a quarter fewer tokens in 85 s: per token it ran 0.88x
+    g = setting_figures(plain, _arm(85.0, 20.0, 60.0, 750))
+    assert g["e2e_speedup"] == pytest.approx(100 / 85)
+    assert g["e2e_speedup_per_token"] == pytest.approx(0.75 * 100 / 85)
+    assert g["rollout_speedup_per_token"] == pytest.approx(1.5)
     # rollouts that are not faster bound the end to end at 1
     assert setting_figures(plain, _arm(100.0, 40.0, 55.0, 1000))["amdahl_bound"] == 1.0

@@ -158,7 +158,7 @@ def cost_model(base: Path, frozen: common.ArmResult, plain_sync: dict, gamma: in
     cut at EOS or the budget)."""
     cfg = config_lib.from_dict(config_lib.RunConfig, json.loads((base / "config.json").read_text()))
     mesh = sharding.make_mesh(config_lib.MeshConfig(data=1), jax.devices()[:1])
-    demo = argparse.Namespace(model="demo", workdir=str(base), num_prompts=8, prompts="task")
+    demo = argparse.Namespace(model="demo", run=str(base), num_prompts=8, prompts="task")
     pol, mtp, vocab, tok, ids, _ = load_models(demo, mesh)
     vocab = None if vocab is None else jnp.asarray(vocab)
     width = int(sampling.pad_prompts(ids, tok.pad_id)[0].shape[1])

@@ -46,7 +46,8 @@ import numpy as np
 # must not hold three quarters of the memory that launch needs.
 os.environ.setdefault("XLA_PYTHON_CLIENT_PREALLOCATE", "false")
 
-from experiments.common import launch, link_tree
+from experiments import mtp_arms
+from experiments.mtp_arms import MODELS, paired_delta
 
 HERE = Path(__file__).resolve().parent
 LOSSES = ("ce", "kl", "reverse_kl", "tv", "e2e_tv", "e2e_tv_partial")
@@ -59,201 +60,12 @@ PAPER_DELTA = {
     "e2e_tv": "+2.3 to +8.0",
     "e2e_tv_partial": "(not in the paper)",
 }
-MODELS = {
-    "smollm2": dict(config="configs/mtp_smollm2.py", stages=("distill", "mtp")),
-    "demo": dict(config="configs/demo.py", stages=("sft", "distill", "mtp")),
-}
+ARMS_DIR = HERE / "arms"
 
 
-def arm_overrides(spec: dict, loss: str, extra) -> list[str]:
-    return [f"stages={spec['stages']!r}", f"mtp.loss={loss!r}", "mtp.patience=0", *extra]
-
-
-def base_is_arm(spec: dict, base: Path, loss: str, extra) -> bool:
-    """The base run's `mtp` stage counts as the `loss` arm when it ran every step (an early stop
-    would make it a shorter arm) with the arm's config, early stop aside."""
-    from bebop import config as config_lib
-
-    done = base / "mtp" / "summary.json"
-    if not done.exists():
-        return False
-    summary = json.loads(done.read_text())
-    if summary["steps_run"] < summary["steps"]:
-        return False
-
-    saved = json.loads((base / "config.json").read_text())
-    have = arm_config(config_lib.from_dict(config_lib.RunConfig, saved))
-    return wanted_config(spec, loss, extra) == have
-
-
-ARM_KEYS = ("seed", "model", "policy", "task", "rollout", "distill", "mtp")
-
-
-def arm_config(cfg) -> dict:
-    """What makes two runs the same arm: the config's sections that shape the MTP (defaults
-    filled in, tuples as JSON lists), early stop aside."""
-    from bebop import config as config_lib
-
-    c = json.loads(json.dumps(config_lib.to_dict(cfg)))
-    c["mtp"].pop("patience")
-    return {k: c[k] for k in ARM_KEYS}
-
-
-def wanted_config(spec: dict, loss: str, extra) -> dict:
-    from bebop import config as config_lib
-
-    return arm_config(config_lib.load(spec["config"], arm_overrides(spec, loss, extra))[0])
-
-
-CURVE_KEYS = ("alpha_1", "alpha_2", "alpha_3", "eval/rejection/accept_len")
-
-
-def kept_arm(model: str, loss: str, want: dict) -> dict | None:
-    """The figures of a finished arm kept in `arms/` (`keep_arm`) if its config is `want`. They
-    stand on whatever number of held-out prompts the arm was evaluated on (its weights are not
-    kept, so a larger evaluation means training it again: `--retrain`)."""
-    path = HERE / "arms" / f"{model}_{loss}.json"
-    if not path.exists():
-        return None
-    kept = json.loads(path.read_text())
-    return kept if kept["config"] == want else None
-
-
-def keep_arm(model: str, loss: str, want: dict, wd: Path, held: dict) -> dict:
-    """Keeps arm `loss`'s figures in `arms/`: its config, held-out evaluation and the metric
-    records the curves use (`CURVE_KEYS`)."""
-    from bebop import plots
-
-    recs = [
-        {"step": r["step"], **{k: r[k] for k in CURVE_KEYS if k in r}}
-        for r in plots.read_metrics(wd / "mtp" / "metrics.jsonl")
-    ]
-    summary = json.loads((wd / "mtp" / "summary.json").read_text())
-    kept = {"config": want, "heldout": held, "metrics": recs, "steps": summary["steps"]}
-    path = HERE / "arms" / f"{model}_{loss}.json"
-    path.parent.mkdir(exist_ok=True)
-    path.write_text(json.dumps(kept) + "\n")
-    return kept
-
-
-def share_target_cache(src: Path, dst: Path) -> None:
-    """Hard-links the complete target caches (`target_T*/` with their `meta.json`, written by
-    the MTP stage of whichever run needed them first) of distill dir `src` into `dst` where it
-    has none, so that the backbone pass (~15 min for SmolLM2 here) runs once per study."""
-    for cache in src.glob("target_T*"):
-        if (cache / "meta.json").exists() and not (dst / cache.name).exists():
-            link_tree(cache, dst / cache.name)
-
-
-def train_arms(spec, root: Path, base: Path, losses, extra) -> dict[str, Path]:
-    """Each arm's run directory, trained (or resumed) where not finished yet (`losses`: the
-    arms to train). The arms share the base run's stages before `mtp` (the policy, the distilled
-    data and its target cache); those are run first where missing. A base without a finished
-    `mtp` stage (e.g. `--config.stages="('distill',)"` of the recipe) is fine: its e2e TV arm,
-    if asked for, then trains like any other arm."""
-    if not losses:
-        return {}
-    before = spec["stages"][:-1]
-    if not all((base / stage / "summary.json").exists() for stage in before):
-        print(f"running the base's {before} stages (the recipe's data) in {base}", flush=True)
-        launch(spec["config"], base, [f"stages={before!r}", "mtp.patience=0", *extra])
-    dirs = {}
-    for loss in losses:
-        if base_is_arm(spec, base, loss, extra):
-            dirs[loss] = base
-            continue
-        wd = root / loss
-        for stage in before:  # the policy (demo) and the distilled data + cache
-            link_tree(base / stage, wd / stage)
-        if not (wd / "mtp" / "summary.json").exists():
-            share_target_cache(base / "distill", wd / "distill")
-            t0 = time.perf_counter()
-            launch(spec["config"], wd, arm_overrides(spec, loss, extra))
-            print(f"{loss}: trained in {time.perf_counter() - t0:.0f} s", flush=True)
-        share_target_cache(wd / "distill", base / "distill")  # for the arms after this one
-        dirs[loss] = wd
-    return dirs
-
-
-def heldout(wd: Path, num_prompts: int, batch: int) -> dict:
-    """The final MTP of run `wd` on `num_prompts` held-out task prompts (RS): pooled figures and
-    per-prompt acceptance (for paired differences). Cached in `wd`'s arm dir as heldout.json."""
-    import jax
-
-    from bebop import config as config_lib
-    from bebop import policies, prompts, rollout, sampling, sharding, speculative
-
-    cfg = config_lib.from_dict(config_lib.RunConfig, json.loads((wd / "config.json").read_text()))
-    mesh = sharding.make_mesh(config_lib.MeshConfig(data=1), jax.devices()[:1])
-    policy = policies.load(cfg.policy, cfg.model, wd, mesh)
-    pol = (policy.graphdef, policy.params)
-    mtp_gd, mtp_params, vocab = policies.load_mtp(cfg.mtp, wd / "mtp" / "ckpt", policy.cfg, mesh)
-    ids = prompts.prompt_ids(cfg.task, cfg.seed, policy.tok, num_prompts, "eval", "task")
-    toks, lens = sampling.pad_prompts(ids, policy.tok.pad_id)
-    scfg = rollout.sampling_config(cfg.rollout, policy.tok)
-    spec = speculative.SpecConfig(cfg.mtp.eval_draft, "rejection")
-    acc, att, hist, overlap, drafted = [], [], [], [], []
-    for i in range(0, len(ids), batch):
-        key = jax.random.fold_in(jax.random.key(cfg.seed + 7), i)
-        out = speculative.sample_jit(
-            *pol,
-            mtp_gd,
-            mtp_params,
-            toks[i : i + batch],
-            lens[i : i + batch],
-            key,
-            scfg,
-            spec,
-            vocab,
-        )
-        st = jax.device_get(out.stats)
-        acc.append(np.asarray(st.accepts))
-        att.append(np.asarray(st.attempts))
-        hist.append(np.asarray(st.accept_hist))
-        kpos = speculative.draft_positions(st.status)
-        overlap.append(float((np.asarray(st.overlap) * (kpos >= 0)).sum()))
-        drafted.append(int((kpos >= 0).sum()))
-    acc, att, hist = (np.concatenate(x) for x in (acc, att, hist))
-    pooled_hist = hist.sum(0)
-    res = {
-        f"rs_accept_{k + 1}": float(acc[:, k].sum() / max(att[:, k].sum(), 1))
-        for k in range(acc.shape[1])
-    }
-    res.update(
-        rs_accept=float(acc.sum() / max(att.sum(), 1)),
-        rs_accept_len=float(
-            (pooled_hist * np.arange(1, len(pooled_hist) + 1)).sum() / pooled_hist.sum()
-        ),
-        analytic_alpha=sum(overlap) / max(sum(drafted), 1),
-        drafted_tokens=int(att.sum()),
-        prompts=len(ids),
-        # Prompt i and its key depend on the batch size only; the padded width sets the shapes
-        # (a wider set can change a row's floats, so two evaluations agree row for row only
-        # where these match).
-        eval_batch=batch,
-        width=int(toks.shape[1]),
-        per_prompt=[acc.sum(1).tolist(), att.sum(1).tolist()],  # accepts, attempts per prompt
-        run=str(wd),
-        steps_run=json.loads((wd / "mtp" / "summary.json").read_text())["steps_run"],
-    )
-    return res
-
-
-def paired_delta(a, b) -> tuple[float, float, int]:
-    """Pooled acceptance of arm `a` minus arm `b` (accepted / attempted drafts over the prompts
-    both were evaluated on), in points, its standard error paired by prompt (the ratio
-    estimator's linearisation, z_i = (acc_i - r att_i) / mean(att) per arm, differenced per
-    prompt), and the number of prompts it stands on (those with drafts in both arms). `a`, `b`:
-    per-prompt [accepts, attempts] of the held-out prompts in order (prompt i and its sampling
-    key are the same in every evaluation of the same batch size, whatever their number:
-    `heldout`), so two arms share their common prefix."""
-    n = min(len(a[0]), len(b[0]))
-    (acc_a, att_a), (acc_b, att_b) = (np.asarray(x, np.float64)[:, :n] for x in (a, b))
-    keep = (att_a > 0) & (att_b > 0)
-    acc_a, att_a, acc_b, att_b = acc_a[keep], att_a[keep], acc_b[keep], att_b[keep]
-    r_a, r_b = acc_a.sum() / att_a.sum(), acc_b.sum() / att_b.sum()
-    z = (acc_a - r_a * att_a) / att_a.mean() - (acc_b - r_b * att_b) / att_b.mean()
-    return float(100 * (r_a - r_b)), float(100 * z.std(ddof=1) / np.sqrt(len(z))), len(z)
+def loss_arm(loss: str) -> list[str]:
+    """An arm's own overrides: its MTP loss."""
+    return [f"mtp.loss={loss!r}"]
 
 
 def table(rows: dict) -> str:
@@ -333,26 +145,25 @@ def main():
     if losses[0] != "ce" or any(x not in LOSSES for x in losses):
         raise SystemExit(f"--losses: want 'ce' first, then any of {LOSSES}; got {losses}")
     t0 = time.perf_counter()
-    want = {loss: wanted_config(spec, loss, args.set) for loss in losses}
+    want = {loss: mtp_arms.wanted_config(spec, loss_arm(loss), args.set) for loss in losses}
     retrain = set(filter(None, args.retrain.split(",")))
     if retrain - set(losses):
         raise SystemExit(f"--retrain: {sorted(retrain - set(losses))} not in --losses {losses}")
-    kept = {loss: kept_arm(args.model, loss, want[loss]) for loss in losses if loss not in retrain}
+    kept = {
+        loss: mtp_arms.kept_arm(ARMS_DIR, args.model, loss, want[loss])
+        for loss in losses
+        if loss not in retrain
+    }
     kept = {loss: k for loss, k in kept.items() if k is not None}
     todo = [loss for loss in losses if loss not in kept]
     if kept:
-        print(f"arms kept in {HERE / 'arms'} (same config): {sorted(kept)}", flush=True)
+        print(f"arms kept in {ARMS_DIR} (same config): {sorted(kept)}", flush=True)
     for loss in todo:  # each arm evaluated and kept as soon as it is trained
-        wd = train_arms(spec, root, base, [loss], args.set)[loss]
-        cache = (root / loss) / "heldout.json"
-        steps_run = json.loads((wd / "mtp" / "summary.json").read_text())["steps_run"]
-        saved = json.loads(cache.read_text()) if cache.exists() else {}
-        same = tuple(saved.get(k) for k in ("prompts", "eval_batch", "run", "steps_run"))
-        if same != (args.eval_prompts, args.eval_batch, str(wd), steps_run):  # not evaluated yet
-            saved = heldout(wd, args.eval_prompts, args.eval_batch)
-            cache.parent.mkdir(parents=True, exist_ok=True)
-            cache.write_text(json.dumps(saved))
-        kept[loss] = keep_arm(args.model, loss, want[loss], wd, saved)
+        wd = mtp_arms.train_arm(spec, root, base, loss, loss_arm(loss), args.set)
+        held = mtp_arms.cached_heldout(
+            wd, root / loss / "heldout.json", args.eval_prompts, args.eval_batch
+        )
+        kept[loss] = mtp_arms.keep_arm(ARMS_DIR, args.model, loss, want[loss], wd, held)
     rows = {loss: kept[loss]["heldout"] for loss in losses}
     if rows["ce"]["prompts"] < args.eval_prompts:
         print(
