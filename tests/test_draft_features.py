@@ -8,8 +8,8 @@ from pathlib import Path
 
 import pytest
 
-from benchmarks.common import trained_mtp_config
 from bebop import config as config_lib
+from benchmarks.common import trained_mtp_config
 from experiments import mtp_arms
 from experiments.draft_features import run as draft_features
 

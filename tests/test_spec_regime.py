@@ -35,3 +35,19 @@ def test_amdahl_bound_and_ratios_on_hand_made_arms():
     assert g["rollout_speedup_per_token"] == pytest.approx(1.5)
     # rollouts that are not faster bound the end to end at 1
     assert setting_figures(plain, _arm(100.0, 40.0, 55.0, 1000))["amdahl_bound"] == 1.0
+
+
+def test_e2e_ratios_per_sampled_token():
+    """experiments/e2e_speedup: a pair's ratio of RL seconds per sampled token beside the ratio
+    of RL times (the two arms sample different answers)."""
+    from experiments.e2e_speedup.run import ratios
+
+    def arm(rl_s, tokens):
+        return dict(
+            rl_s_after_step_1=rl_s, step_s_median=1.0, rollout_s=10.0, response_tokens=tokens
+        )
+
+    r = ratios({"plain": arm(120.0, 1000), "frozen_rs": arm(100.0, 800)})
+    assert set(r) == {"async"}  # only the pairs whose arms both ran
+    assert r["async"]["rl_s_after_step_1"] == pytest.approx(1.2)
+    assert r["async"]["rl_s_per_token"] == pytest.approx((120 / 1000) / (100 / 800))  # 0.96
