@@ -85,11 +85,17 @@ def load_models(args, mesh):
 
 def trained_mtp_config(ckpt: Path, fallback: config_lib.MTPConfig) -> config_lib.MTPConfig:
     """The `mtp` section of the run that trained checkpoint `ckpt` (DIR/mtp/ckpt: DIR/config.json,
-    which says its layers, depth and features), else `fallback`."""
+    which says its layers, depth and features), else `fallback` (with a warning when that
+    section cannot be read)."""
     saved = ckpt.parent.parent / "config.json"
     if not saved.exists():
         return fallback
-    return config_lib.from_dict(config_lib.RunConfig, json.loads(saved.read_text())).mtp
+    try:
+        section = json.loads(saved.read_text())["mtp"]
+        return config_lib.from_dict(config_lib.MTPConfig, section, "mtp.")
+    except (KeyError, ValueError) as e:  # ConfigError is a ValueError, as is bad JSON
+        print(f"warning: {saved}: no readable mtp section ({e}); using the config's", flush=True)
+        return fallback
 
 
 def sampling_config(tok, temperature: float, new_tokens: int) -> sampling.SamplingConfig:

@@ -213,13 +213,15 @@ def load_hf(loaded):
 
 
 def load_mtp(path, loaded, mesh):
-    from bebop import ckpt
-    from bebop import mtp as mtp_lib
+    """The MTP checkpointed in `path` (DIR/mtp/ckpt), with the structure (layers, depth,
+    features) of the run that trained it (one default layer when DIR has no config)."""
+    from bebop import config as config_lib
+    from bebop import policies
+    from benchmarks.common import trained_mtp_config
 
-    mtp_gd, mtp_params = mtp_lib.abstract(loaded.cfg, 1)
-    mtp = (mtp_gd, ckpt.restore_params(Path(path), mtp_params, mesh))
-    vocab = mtp_lib.load_draft_vocab(Path(path).parent, loaded.cfg.vocab_size)
-    return mtp, None if vocab is None else jnp.asarray(vocab)
+    mtp_cfg = trained_mtp_config(Path(path), config_lib.MTPConfig())
+    mtp_gd, mtp_params, vocab = policies.load_mtp(mtp_cfg, Path(path), loaded.cfg, mesh)
+    return (mtp_gd, mtp_params), None if vocab is None else jnp.asarray(vocab)
 
 
 def main():

@@ -38,9 +38,17 @@ def test_a_key_added_since_counts_at_its_default():
     assert not mtp_arms.same_arm(older, want)
 
 
-def _rows(speedups, draft=0.1):
+def _rows(speedups, draft):
+    """One benchmark process's rows: per γ its speedup, and a draft cost of `draft` x γ (so a
+    figure read at the wrong γ shows)."""
     return [
-        {"gamma": g, "speedup": s, "accept_len": 1 + g / 2, "draft_cost": draft, "verify_cost": 1.4}
+        {
+            "gamma": g,
+            "speedup": s,
+            "accept_len": 1 + g / 2,
+            "draft_cost": draft * g,
+            "verify_cost": 1 + g / 10,
+        }
         for g, s in zip(draft_features.GAMMAS, speedups, strict=True)
     ]
 
@@ -55,7 +63,10 @@ def test_speed_figures_are_medians_over_processes_at_the_best_gamma():
     # medians per γ: 1.2, 1.5, 1.5, 1.1 -> γ = 2 is the first best
     assert f["per_gamma"]["3"]["speedup"] == pytest.approx(1.5)
     assert f["best_gamma"] == 2 and f["speedup_b1"] == pytest.approx(1.5)
-    assert f["draft_cost"] == pytest.approx(0.09) and f["processes"] == 3
+    # the draft cost at γ = 2: the median of 0.16, 0.18, 0.60
+    assert f["draft_cost"] == pytest.approx(0.18) and f["processes"] == 3
+    assert f["per_gamma"]["4"]["verify_cost"] == pytest.approx(1.4)
+    assert f["per_gamma"]["1"]["accept_len"] == pytest.approx(1.5)
 
 
 def test_benchmark_reads_the_mtp_structure_of_its_run(tmp_path: Path):
@@ -72,3 +83,33 @@ def test_bad_arms_name_the_flag():
         draft_features.main(["--arms", "layers3_d1"])  # last_d1 (the reference) first
     with pytest.raises(SystemExit, match="--arms"):
         draft_features.main(["--arms", "last_d1,deep"])
+
+
+def test_decode_benchmark_restores_an_mtp_with_its_runs_structure(tmp_path: Path, tiny_cfg):
+    """`benchmarks.decode --mtp_ckpt`: a depth-2 MTP fed by two layers restores with the
+    structure its run's config.json names (a default one-layer MTP would not match)."""
+    import types
+
+    import jax
+    import numpy as np
+
+    from bebop import mtp as mtp_lib
+    from bebop.ckpt import Checkpointer
+    from bebop.config import MeshConfig, RunConfig
+    from bebop.sharding import make_mesh
+    from benchmarks import decode
+
+    mtp_cfg = config_lib.MTPConfig(features=(0, 1), depth=2)
+    _, params = mtp_lib.init(tiny_cfg, 1, 3, mtp_cfg.features, mtp_cfg.depth)
+    ckpt = Checkpointer(tmp_path / "mtp" / "ckpt", async_save=False)
+    ckpt.save(1, {"params": params, "step": 1}, {})
+    ckpt.close()
+    run = RunConfig(model=tiny_cfg, mtp=mtp_cfg)
+    (tmp_path / "config.json").write_text(json.dumps(config_lib.to_dict(run)))
+    loaded = types.SimpleNamespace(cfg=tiny_cfg)
+    mesh = make_mesh(MeshConfig(data=1), jax.devices()[:1])
+    (_, got), vocab = decode.load_mtp(tmp_path / "mtp" / "ckpt", loaded, mesh)
+    want, have = jax.tree.leaves(params), jax.tree.leaves(got)
+    assert len(want) == len(have) and vocab is None
+    for w, h in zip(want, have, strict=True):
+        np.testing.assert_array_equal(np.asarray(w), np.asarray(h))

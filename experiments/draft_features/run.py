@@ -48,6 +48,7 @@ from pathlib import Path
 os.environ.setdefault("XLA_PYTHON_CLIENT_PREALLOCATE", "false")
 
 from experiments import mtp_arms
+from experiments.common import REPO
 
 HERE = Path(__file__).resolve().parent
 ARMS_DIR = HERE / "arms"
@@ -91,9 +92,16 @@ def speed(wd: Path, processes: int, repeats: int, new_tokens: int) -> dict:
     ]
     runs = []
     for _ in range(processes):
-        out = subprocess.run(cmd, check=True, capture_output=True, text=True).stdout
-        runs.append(json.loads(out.strip().splitlines()[-1])["rows"])
-    return speed_figures(runs)
+        out = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True)
+        if out.returncode:
+            raise RuntimeError(
+                f"{' '.join(cmd)} failed (exit {out.returncode}):\n{out.stderr[-3000:]}"
+            )
+        runs.append(json.loads(out.stdout.strip().splitlines()[-1])["rows"])
+    return {
+        **speed_figures(runs),
+        "settings": {"repeats": repeats, "new_tokens": new_tokens, "processes": processes},
+    }
 
 
 def speed_figures(runs: list[list[dict]]) -> dict:
@@ -184,7 +192,9 @@ def main(argv=None):
     ap.add_argument("--repeats", type=int, default=3, help="paired rounds per process")
     ap.add_argument("--new_tokens", type=int, default=96)
     ap.add_argument("--no_speed", action="store_true", help="acceptance only (no timing)")
-    ap.add_argument("--set", action="append", default=[], help="config KEY=VALUE (every arm)")
+    ap.add_argument(
+        "--set", action="append", default=[], help="config KEY=VALUE (every arm's training)"
+    )
     args = ap.parse_args(argv)
     names = args.arms.split(",")
     if names[0] != "last_d1" or any(n not in ARMS for n in names):
@@ -193,10 +203,11 @@ def main(argv=None):
     root, base = Path(args.out).absolute(), Path(args.base).absolute()
     t0 = time.perf_counter()
     kept = {}
+    timing = {"repeats": args.repeats, "new_tokens": args.new_tokens, "processes": args.processes}
     for name in names:
         want = mtp_arms.wanted_config(spec, ARMS[name], args.set)
         k = mtp_arms.kept_arm(ARMS_DIR, "smollm2", name, want)
-        if k is None or (not args.no_speed and "speed" not in k):
+        if k is None:  # train (or resume) and evaluate the arm
             wd = mtp_arms.train_arm(spec, root, base, name, ARMS[name], args.set)
             held = {
                 f"t{t}": mtp_arms.cached_heldout(
@@ -205,9 +216,16 @@ def main(argv=None):
                 for t in TEMPERATURES
             }
             k = mtp_arms.keep_arm(ARMS_DIR, "smollm2", name, want, wd, held)
-            if not args.no_speed:
-                k["speed"] = speed(wd, args.processes, args.repeats, args.new_tokens)
+        timed = k.get("speed", {}).get("settings") == timing
+        if not args.no_speed and not timed:
+            ckpt = Path(k["heldout"]["t0.7"]["run"]) / "mtp" / "ckpt"
+            if ckpt.exists():
+                k["speed"] = speed(
+                    ckpt.parent.parent, args.processes, args.repeats, args.new_tokens
+                )
                 (ARMS_DIR / f"smollm2_{name}.json").write_text(json.dumps(k) + "\n")
+            else:  # kept figures whose weights are gone: not trained again only to be timed
+                print(f"{name}: no weights at {ckpt} to time (delete its kept file to retrain)")
         kept[name] = k
         print(f"{name}: {arm_figures(k)}", flush=True)
     rows = {n: arm_figures(k) for n, k in kept.items()}
