@@ -90,21 +90,29 @@ def run_arm(
     arm: Arm, base: Path, root: Path, config: str = "configs/demo.py", extra=()
 ) -> ArmResult:
     """The RL stage of `config` from `base`'s SFT policy with `arm`'s overrides (and `extra`,
-    the study's common ones), in `root/arm.name`; a finished one is reused. `base` must be a run
-    of the same `config` (its SFT checkpoint is restored as that config's policy)."""
+    the study's common ones), in `root/arm.name`; a finished one is reused when it ran the same
+    launch (config, base and overrides, recorded in its `arm.json`; a finished run recorded
+    before launches were is reused as it is), else run again. `base` must be a run of the same
+    `config` (its SFT checkpoint is restored as that config's policy)."""
     wd = Path(root).absolute() / arm.name
     done, record = wd / "rl" / "summary.json", wd / "arm.json"
-    wall = json.loads(record.read_text())["wall_s"] if record.exists() else None
+    init = [f"mtp.init_from={str(base / 'mtp' / 'ckpt')!r}"] if arm.pretrained else []
+    run = {"config": config, "base": str(Path(base).absolute())}
+    run["overrides"] = ["stages=('rl',)", *init, *extra, *arm.overrides]
+    saved = json.loads(record.read_text()) if record.exists() else {}
+    wall = saved.get("wall_s")
+    if done.exists() and saved.get("launch", run) != run:  # another base, config or setting
+        print(f"  {arm.name}: {wd} is a run of another launch; running it again", flush=True)
+        done.unlink()
     if not done.exists():
         shutil.rmtree(wd, ignore_errors=True)
         wd.mkdir(parents=True)
         if (base / "sft").exists():  # a policy of its own (not a GGUF / HF checkpoint)
             link_tree(base / "sft", wd / "sft")
-        init = [f"mtp.init_from={str(base / 'mtp' / 'ckpt')!r}"] if arm.pretrained else []
         t0 = time.perf_counter()
-        launch(config, wd, ["stages=('rl',)", *init, *extra, *arm.overrides])
+        launch(config, wd, run["overrides"])
         wall = time.perf_counter() - t0
-        record.write_text(json.dumps({"wall_s": wall, "overrides": list(arm.overrides)}) + "\n")
+        record.write_text(json.dumps({"wall_s": wall, "launch": run}) + "\n")
         print(f"  {arm.name}: {wall:.0f} s", flush=True)
     summary = json.loads(done.read_text())
     return ArmResult(arm, summary, plots.read_metrics(wd / "rl" / "metrics.jsonl"), wall)

@@ -51,3 +51,36 @@ def test_e2e_ratios_per_sampled_token():
     assert set(r) == {"async"}  # only the pairs whose arms both ran
     assert r["async"]["rl_s_after_step_1"] == pytest.approx(1.2)
     assert r["async"]["rl_s_per_token"] == pytest.approx((120 / 1000) / (100 / 800))  # 0.96
+
+
+def test_a_finished_arm_is_reused_only_for_the_same_launch(tmp_path, monkeypatch):
+    """experiments.common.run_arm: a finished arm of another base (or setting) runs again; the
+    same launch is reused; a run recorded before launches were is reused as it is. (`launch`,
+    the subprocess, is replaced by one that writes a finished RL stage.)"""
+    import json
+
+    from experiments import common
+
+    launches = []
+
+    def fake_launch(config, wd, overrides):
+        launches.append(list(overrides))
+        (wd / "rl").mkdir(parents=True)
+        (wd / "rl" / "summary.json").write_text("{}")
+        (wd / "rl" / "metrics.jsonl").write_text('{"step": 1}\n')
+        return {}
+
+    monkeypatch.setattr(common, "launch", fake_launch)
+    arm = common.Arm("spec", "speculative")
+    short, full = tmp_path / "short_base", tmp_path / "full_base"
+    common.run_arm(arm, short, tmp_path / "out", "configs/rl_smollm2.py", ("rl.steps=3",))
+    common.run_arm(arm, short, tmp_path / "out", "configs/rl_smollm2.py", ("rl.steps=3",))
+    assert len(launches) == 1  # the same launch: reused
+    common.run_arm(arm, full, tmp_path / "out", "configs/rl_smollm2.py", ("rl.steps=3",))
+    assert len(launches) == 2 and str(full / "mtp" / "ckpt") in launches[1][1]
+    common.run_arm(arm, full, tmp_path / "out", "configs/rl_smollm2.py", ("rl.steps=4",))
+    assert len(launches) == 3  # another setting
+    record = tmp_path / "out" / "spec" / "arm.json"
+    record.write_text(json.dumps({"wall_s": 1.0, "overrides": []}))  # an older record
+    res = common.run_arm(arm, short, tmp_path / "out", "configs/rl_smollm2.py", ("rl.steps=3",))
+    assert len(launches) == 3 and res.wall_s == 1.0
