@@ -117,8 +117,7 @@ def curves(res: common.ArmResult) -> dict:
 
 def ratios(t: dict) -> dict:
     """Speedups: the first arm's time / the second's (> 1: the second is faster), for the pairs
-    whose arms both ran; `rl_s_per_token`: the same for RL seconds per sampled token (the arms
-    sample different answers, so their token counts differ)."""
+    whose arms both ran."""
     pairs = {
         "sync": ("plain_sync", "frozen_rs_sync"),
         "async": ("plain", "frozen_rs"),
@@ -138,9 +137,6 @@ def ratios(t: dict) -> dict:
         out[name] = {
             k: t[a][k] / t[b][k] for k in ("rl_s_after_step_1", "step_s_median", "rollout_s")
         }
-        if t[a].get("response_tokens") and t[b].get("response_tokens"):
-            per_token = [t[x]["rl_s_after_step_1"] / t[x]["response_tokens"] for x in (a, b)]
-            out[name]["rl_s_per_token"] = per_token[0] / per_token[1]
     return out
 
 

@@ -15,10 +15,13 @@ A setting is `PROMPTSxGROUP:BUDGET` (rows per step = PROMPTS x GROUP; BUDGET =
 speedup (plain RL time / speculative RL time), the rollout speedup, the plain step's rollout
 share, and the bound Amdahl's law puts on the end-to-end figure from those two
 (1 / (1 - share + share / rollout speedup)). The two arms sample different answers (the same
-distribution, other random draws), so their token counts differ: both ratios are also given per
-sampled token (seconds per token, plain over speculative). Also per setting, from the plain
-arm: rollout seconds and learner seconds per sampled token -- what sampling a token costs
-against what learning from it costs: speculation can only shrink the first.
+distribution, other random draws), so their token counts differ (`token_ratio_spec_over_plain`);
+the ratios are of times, not of seconds per token: a rollout's time follows its longest answer
+(the loop runs until the last row ends) and the learner's step is fixed-shape, so neither scales
+with the tokens sampled (over the steps of the 8-row arms, rollout seconds against tokens
+sampled correlate at -0.01 and 0.02). Also per setting, from the plain arm: rollout seconds
+and learner seconds per sampled token -- what sampling costs against what learning from it
+costs: speculation can only shrink the first.
 
     python -m experiments.spec_regime.run --base runs/mtp_smollm2 \
         --settings 1x8:96 4x8:96 1x4:96 --steps 12
@@ -103,15 +106,12 @@ def setting_figures(plain: dict, spec: dict) -> dict:
     """The pair's ratios, Amdahl's bound and the per-token costs (see the module docstring)."""
     share = plain["rollout_s"] / plain["rl_s_after_step_1"]
     rollout_speedup = plain["rollout_s"] / spec["rollout_s"]
-    # The two arms sample different answers (the same distribution, other draws), so their
-    # token counts differ; the per-token ratios compare seconds per sampled token instead.
-    tokens = spec["response_tokens"] / plain["response_tokens"]
     return {
         "e2e_speedup": plain["rl_s_after_step_1"] / spec["rl_s_after_step_1"],
         "rollout_speedup": rollout_speedup,
-        "e2e_speedup_per_token": tokens * plain["rl_s_after_step_1"] / spec["rl_s_after_step_1"],
-        "rollout_speedup_per_token": tokens * rollout_speedup,
-        "token_ratio_spec_over_plain": tokens,
+        # The two arms sample different answers (the same distribution, other draws): how many
+        # tokens the speculative arm sampled against the plain one.
+        "token_ratio_spec_over_plain": spec["response_tokens"] / plain["response_tokens"],
         "rollout_share_of_plain_step": share,
         "amdahl_bound": 1.0 / (1.0 - share + share / rollout_speedup),
         "plain_rollout_s_per_sampled_token": plain["rollout_s"] / plain["response_tokens"],
@@ -152,10 +152,10 @@ def main(argv=None):
             common.write_json(path, out)
         e = out["settings"][text]
         print(
-            f"{text:10s} rows {e['rows']:3d}: end to end {e['e2e_speedup']:.2f}x "
-            f"({e['e2e_speedup_per_token']:.2f}x per sampled token), rollouts "
-            f"{e['rollout_speedup']:.2f}x ({e['rollout_speedup_per_token']:.2f}x per token), "
-            f"rollout share {e['rollout_share_of_plain_step']:.2f}"
+            f"{text:10s} rows {e['rows']:3d}: end to end {e['e2e_speedup']:.2f}x, rollouts "
+            f"{e['rollout_speedup']:.2f}x (tokens sampled spec / plain "
+            f"{e['token_ratio_spec_over_plain']:.2f}), rollout share "
+            f"{e['rollout_share_of_plain_step']:.2f}"
             f" (Amdahl bound {e['amdahl_bound']:.2f}x), accept length "
             f"{figs['spec']['accept_len']:.2f}",
             flush=True,
