@@ -96,8 +96,9 @@ def run_arm(
     `config` (its SFT checkpoint is restored as that config's policy)."""
     wd = Path(root).absolute() / arm.name
     done, record = wd / "rl" / "summary.json", wd / "arm.json"
+    base = Path(base).absolute()
     init = [f"mtp.init_from={str(base / 'mtp' / 'ckpt')!r}"] if arm.pretrained else []
-    run = {"config": config, "base": str(Path(base).absolute())}
+    run = {"config": config, "base": str(base)}
     run["overrides"] = ["stages=('rl',)", *init, *extra, *arm.overrides]
     saved = json.loads(record.read_text()) if record.exists() else {}
     wall = saved.get("wall_s")

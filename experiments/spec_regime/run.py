@@ -14,14 +14,15 @@ A setting is `PROMPTSxGROUP:BUDGET` (rows per step = PROMPTS x GROUP; BUDGET =
 (rollout, learner, reward, wait), tokens sampled, accept length; per setting: the end-to-end
 speedup (plain RL time / speculative RL time), the rollout speedup, the plain step's rollout
 share, and the bound Amdahl's law puts on the end-to-end figure from those two
-(1 / (1 - share + share / rollout speedup)). The two arms sample different answers (the same
-distribution, other random draws), so their token counts differ (`token_ratio_spec_over_plain`);
-the ratios are of times, not of seconds per token: a rollout's time follows its longest answer
-(the loop runs until the last row ends) and the learner's step is fixed-shape, so neither scales
-with the tokens sampled (over the steps of the 8-row arms, rollout seconds against tokens
-sampled correlate at -0.01 and 0.02). Also per setting, from the plain arm: rollout seconds
-and learner seconds per sampled token -- what sampling costs against what learning from it
-costs: speculation can only shrink the first.
+(1 / (1 - share + share / rollout speedup); for a serial step -- an asynchronous one overlaps
+the rollout with the learner, and the learner's wait says how far it is bound by rollouts).
+The two arms sample different answers (the same distribution, other random draws), so their
+token counts differ (`token_ratio_spec_over_plain`); the ratios are of times, not of seconds
+per token: a rollout's time follows its longest answer (the loop runs until the last row ends)
+and the learner's step is fixed-shape, so neither scales with the tokens sampled (over the
+steps of the 8-row arms, rollout seconds against tokens sampled correlate at -0.01 and 0.02).
+Also per setting, from the plain arm: rollout seconds and learner seconds per sampled token --
+what sampling costs against what learning from it costs: speculation can only shrink the first.
 
     python -m experiments.spec_regime.run --base runs/mtp_smollm2 \
         --settings 1x8:96 4x8:96 1x4:96 --steps 12
