@@ -3,7 +3,10 @@ RL arms that start from one finished base run (its SFT policy and pre-RL MTP), s
 differ only in what their overrides say.
 
 An arm lives in `<root>/<name>/` and is reused once its `rl/summary.json` exists (delete the
-directory to redo it); study scripts that name the same arm share one run.
+directory to redo it); study scripts that name the same arm share one run. A finished arm is also
+kept in the repository (`kept_arms/<root's name>/<name>.json`: its config, records, summary and
+wall time), so that a later launch from an identical base reuses it after its run directory is
+gone: a study can be run in parts, on different days.
 """
 
 from __future__ import annotations
@@ -23,6 +26,7 @@ import numpy as np
 from bebop import plots
 
 REPO = Path(__file__).resolve().parents[1]
+KEPT = Path(__file__).resolve().parent / "kept_arms"
 
 
 def launch(config: str, workdir: Path, overrides=()) -> dict:
@@ -81,25 +85,86 @@ class ArmResult:
     summary: dict
     records: list[dict]
     wall_s: float | None  # the launch's wall time (from `arm.json` when reused; None: unknown)
+    config: dict = dataclasses.field(default_factory=dict)  # the arm's `config.json`
 
     def series(self, key: str):
         return plots.series(self.records, key)
 
 
+def base_identity(base: Path) -> dict:
+    """What makes two base runs the same base: the config they ran (without the workdir) and
+    the outcome of their MTP training (steps run, final loss: a base trained again from the
+    same config is the same base only if it trained to the same weights, to the last digit)."""
+    base = Path(base)
+    cfg = json.loads((base / "config.json").read_text()) if (base / "config.json").exists() else {}
+    cfg.pop("workdir", None)
+    summary = base / "mtp" / "summary.json"
+    mtp = json.loads(summary.read_text()) if summary.exists() else {}
+    return {
+        "config": cfg,
+        "mtp": {k: mtp.get(k) for k in ("steps_run", "final_loss")},
+    }
+
+
+def kept_key(run: dict, base: Path) -> dict:
+    """A launch (`run_arm`'s record) with the base's path replaced by its identity."""
+    b = str(Path(base).absolute())
+    return {
+        "config": run["config"],
+        "base": base_identity(base),
+        "overrides": [o.replace(b, "<base>") for o in run["overrides"]],
+    }
+
+
+def kept_arm(keep: Path, arm: Arm, key: dict) -> ArmResult | None:
+    """The arm kept in `keep` (`keep_arm`) if it ran the launch `key`."""
+    path = Path(keep) / f"{arm.name}.json"
+    if not path.exists():
+        return None
+    k = json.loads(path.read_text())
+    if k["key"] != key:
+        print(f"  {arm.name}: {path} is of another launch; running it", flush=True)
+        return None
+    return ArmResult(arm, k["summary"], k["records"], k["wall_s"], k["config"])
+
+
+def keep_arm(keep: Path, res: ArmResult, key: dict) -> None:
+    Path(keep).mkdir(parents=True, exist_ok=True)
+    kept = {
+        "key": key,
+        "wall_s": res.wall_s,
+        "config": res.config,
+        "summary": res.summary,
+        "records": res.records,
+    }
+    (Path(keep) / f"{res.arm.name}.json").write_text(json.dumps(kept) + "\n")
+
+
 def run_arm(
-    arm: Arm, base: Path, root: Path, config: str = "configs/demo.py", extra=()
+    arm: Arm,
+    base: Path,
+    root: Path,
+    config: str = "configs/demo.py",
+    extra=(),
+    keep: Path | None = None,
 ) -> ArmResult:
     """The RL stage of `config` from `base`'s SFT policy with `arm`'s overrides (and `extra`,
     the study's common ones), in `root/arm.name`; a finished one is reused when it ran the same
     launch (config, base and overrides, recorded in its `arm.json`; a finished run recorded
     before launches were is reused as it is), else run again. `base` must be a run of the same
-    `config` (its SFT checkpoint is restored as that config's policy)."""
+    `config` (its SFT checkpoint is restored as that config's policy). `keep`: a directory
+    where the finished arm is kept (`keep_arm`) and from which an arm whose run directory is
+    gone is taken when it ran the same launch from an identical base (`base_identity`)."""
     wd = Path(root).absolute() / arm.name
     done, record = wd / "rl" / "summary.json", wd / "arm.json"
     base = Path(base).absolute()
     init = [f"mtp.init_from={str(base / 'mtp' / 'ckpt')!r}"] if arm.pretrained else []
     run = {"config": config, "base": str(base)}
     run["overrides"] = ["stages=('rl',)", *init, *extra, *arm.overrides]
+    key = kept_key(run, base) if keep else None
+    if keep and not done.exists() and (res := kept_arm(keep, arm, key)) is not None:
+        print(f"  {arm.name}: kept in {keep}", flush=True)
+        return res
     saved = json.loads(record.read_text()) if record.exists() else {}
     wall = saved.get("wall_s")
     if done.exists() and saved.get("launch", run) != run:  # another base, config or setting
@@ -116,7 +181,11 @@ def run_arm(
         record.write_text(json.dumps({"wall_s": wall, "launch": run}) + "\n")
         print(f"  {arm.name}: {wall:.0f} s", flush=True)
     summary = json.loads(done.read_text())
-    return ArmResult(arm, summary, plots.read_metrics(wd / "rl" / "metrics.jsonl"), wall)
+    cfg = json.loads((wd / "config.json").read_text()) if (wd / "config.json").exists() else {}
+    res = ArmResult(arm, summary, plots.read_metrics(wd / "rl" / "metrics.jsonl"), wall, cfg)
+    if keep:
+        keep_arm(keep, res, key)
+    return res
 
 
 def running_mean(y, width: int) -> np.ndarray:
@@ -272,11 +341,14 @@ MODELS = {
 
 def study2_arms(names, base: Path, root: Path, args=None) -> dict[str, ArmResult]:
     """The arms `names` from `base` in `root`; `args` (`study2_parser`'s): the model's config
-    (`:runlocal` with `--runlocal`) and overrides, then `--set`."""
+    (`:runlocal` with `--runlocal`) and overrides, then `--set`. Finished arms are kept in
+    `kept_arms/<root's name>/` (not smoke runs)."""
     m = MODELS[getattr(args, "model", "demo")]
-    config = m.config + (":runlocal" if getattr(args, "runlocal", False) else "")
+    local = getattr(args, "runlocal", False)
+    config = m.config + (":runlocal" if local else "")
     extra = (*m.extra, *getattr(args, "set", ()))
-    return {n: run_arm(STUDY2_ARMS[n], base, root, config, extra) for n in names}
+    keep = None if local else KEPT / Path(root).name
+    return {n: run_arm(STUDY2_ARMS[n], base, root, config, extra, keep) for n in names}
 
 
 def study2_parser(root: str) -> argparse.ArgumentParser:

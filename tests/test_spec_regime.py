@@ -67,3 +67,47 @@ def test_a_finished_arm_is_reused_only_for_the_same_launch(tmp_path, monkeypatch
     record.write_text(json.dumps({"wall_s": 1.0, "overrides": []}))  # an older record
     res = common.run_arm(arm, short, tmp_path / "out", "configs/rl_smollm2.py", ("rl.steps=3",))
     assert len(launches) == 3 and res.wall_s == 1.0
+
+
+def test_a_kept_arm_outlives_its_run_directory_only_for_an_identical_base(tmp_path, monkeypatch):
+    """experiments.common.run_arm with `keep`: a finished arm is kept as JSON; with its run
+    directory gone, the same launch from a base trained again to the same MTP is taken from the
+    kept file (no launch); a base whose MTP trained to another loss runs the arm again."""
+    import json
+    import shutil
+
+    from experiments import common
+
+    launches = []
+
+    def fake_launch(config, wd, overrides):
+        launches.append(list(overrides))
+        (wd / "rl").mkdir(parents=True)
+        (wd / "config.json").write_text(json.dumps({"rl": {"steps": 3}}))
+        (wd / "rl" / "summary.json").write_text(json.dumps({"n": len(launches)}))
+        (wd / "rl" / "metrics.jsonl").write_text('{"step": 1, "time": 5.0}\n')
+        return {}
+
+    def make_base(final_loss):
+        base = tmp_path / "base"
+        shutil.rmtree(base, ignore_errors=True)
+        (base / "mtp").mkdir(parents=True)
+        (base / "config.json").write_text(json.dumps({"workdir": str(base), "seed": 0}))
+        summary = {"steps_run": 10, "final_loss": final_loss, "train_time_s": final_loss * 7}
+        (base / "mtp" / "summary.json").write_text(json.dumps(summary))
+        return base
+
+    monkeypatch.setattr(common, "launch", fake_launch)
+    arm, keep, out = common.Arm("spec", "speculative"), tmp_path / "kept", tmp_path / "out"
+    first = common.run_arm(arm, make_base(0.5), out, "configs/rl_smollm2.py", (), keep)
+    kept = json.loads((keep / "spec.json").read_text())
+    assert kept["records"] == [{"step": 1, "time": 5.0}] and kept["config"]["rl"]["steps"] == 3
+    assert "<base>/mtp/ckpt" in kept["key"]["overrides"][1]  # not the absolute path
+    shutil.rmtree(out)
+    again = common.run_arm(arm, make_base(0.5), out, "configs/rl_smollm2.py", (), keep)
+    assert len(launches) == 1 and again.summary == first.summary == {"n": 1}
+    assert again.config == {"rl": {"steps": 3}} and again.wall_s == first.wall_s
+    other = common.run_arm(arm, make_base(0.25), out, "configs/rl_smollm2.py", (), keep)
+    assert len(launches) == 2 and other.summary == {"n": 2}
+    # the kept file now holds the new base's arm
+    assert json.loads((keep / "spec.json").read_text())["key"]["base"]["mtp"]["final_loss"] == 0.25

@@ -5,8 +5,9 @@
     python -m experiments.e2e_speedup.predict --model smollm2 --base runs/mtp_smollm2 \\
         --out runs/exp_rl_speed_smollm2
 
-`--out`: the study's output folder (`experiments.e2e_speedup.run --out`), whose arms it reads;
-the prediction goes to the results file (`--results`).
+`--out`: the study's output folder (`experiments.e2e_speedup.run --out`), whose arms it reads
+(an arm whose run directory is gone: the one kept in `experiments/kept_arms/`, if it ran from
+the same base); the prediction goes to the results file (`--results`).
 
 Measured here, on the base run's models, with nothing else running (`measure`):
   * per bucket size b of the RL batch (b = B, B/2, ... down to `rollout.min_bucket`) the real
@@ -304,12 +305,27 @@ def arm_steps(records: list[dict], spec: costs.ArmSpec, derived: bool, learner_s
     return steps, float(np.sum(dt)), float(np.sum(roll))
 
 
-def predict_arm(wd: Path, measured: dict, sims: int) -> dict:
-    cfg = config_lib.from_dict(config_lib.RunConfig, json.loads((wd / "config.json").read_text()))
+def arm_run(root: Path, name: str, base: Path) -> tuple[dict, list[dict]]:
+    """(config, records) of the finished arm `name`: its run directory in `root`, else the arm
+    kept in `common.KEPT` (which must have run from a base identical to `base`)."""
+    wd = root / name
+    if (wd / "rl" / "summary.json").exists():
+        cfg = json.loads((wd / "config.json").read_text())
+        return cfg, plots.read_metrics(wd / "rl" / "metrics.jsonl")
+    path = common.KEPT / root.name / f"{name}.json"
+    if not path.exists():
+        raise SystemExit(f"arm {name!r}: no finished run in {root} and none kept in {path}")
+    kept = json.loads(path.read_text())
+    if kept["key"]["base"] != common.base_identity(base):
+        raise SystemExit(f"arm {name!r}: {path} ran from another base than {base}")
+    return kept["config"], kept["records"]
+
+
+def predict_arm(cfg: dict, records: list[dict], measured: dict, sims: int) -> dict:
+    cfg = config_lib.from_dict(config_lib.RunConfig, cfg)
     spec = arm_spec(cfg)
     derived = spec.speculative and spec.compact and not cfg.rollout.draft_table
     derived = derived and cfg.rl.mtp_strategy != "growmtp"
-    records = plots.read_metrics(wd / "rl" / "metrics.jsonl")
     steps, measured_s, measured_roll = arm_steps(records, spec, derived, measured["learner_s"])
     bucket = {int(b): c for b, c in measured["bucket_costs_s"].items()}
     # the programs of step 1 (excluded) are compiled: its table is the configured one
@@ -349,13 +365,14 @@ def main(argv=None):
     root = Path(args.out or m.timed_root).absolute()
     config = m.config + (":runlocal" if args.runlocal else "")
     names = [a for a in args.arms.split(",") if a] or sorted(
-        p.parent.parent.name for p in root.glob("*/rl/summary.json")
+        {p.parent.parent.name for p in root.glob("*/rl/summary.json")}
+        | {p.stem for p in (common.KEPT / root.name).glob("*.json")}
     )
     if not names:
-        raise SystemExit(f"--out {root}: no finished arm (*/rl/summary.json)")
+        raise SystemExit(f"--out {root}: no finished arm (*/rl/summary.json), none kept")
     t0 = time.perf_counter()
     measured = measure(base, "demo" if args.model == "demo" else "smollm2", config, args.repeats)
-    arms = {n: predict_arm(root / n, measured, args.sims) for n in names}
+    arms = {n: predict_arm(*arm_run(root, n, base), measured, args.sims) for n in names}
     for n, a in arms.items():
         print(
             f"{n:24s} RL {a['measured_s']:8.1f} s measured, {a['predicted_s']:8.1f} s predicted "

@@ -21,7 +21,7 @@ synchronous plain run's measured split of step time (Amdahl).
 
     python -m experiments.e2e_speedup.run --base runs/demo [--predict]
     python -m experiments.e2e_speedup.run --model smollm2 --base runs/mtp_smollm2 [--sync] \
-        [--predict]
+        [--predict] [--arms plain_compact,frozen_rs_compact]
 
 `--model smollm2`: the RL task of `configs/rl_smollm2.py` (40 GRPO steps of 4 prompts x 8,
 T = 0.7, γ = 3, greedy accuracy every 10 steps) from one run of the recipe's MTP
@@ -293,18 +293,30 @@ def main():
     ap = common.study2_parser(common.TIMED_ROOT)
     ap.add_argument("--sync", action="store_true", help="smollm2: also the synchronous twins")
     ap.add_argument("--predict", action="store_true", help="then predict on the arms")
+    ap.add_argument(
+        "--arms", default="", help="smollm2: comma-separated, in this order (default: all)"
+    )
     args = ap.parse_args()
+    names = ARMS if args.model == "demo" else SMOLLM2_ARMS + (SMOLLM2_SYNC if args.sync else ())
+    if args.arms:
+        known = SMOLLM2_ARMS + SMOLLM2_SYNC
+        unknown = set(args.arms.split(",")) - set(known)
+        if args.model == "demo" or unknown:
+            ap.error(f"--arms: {sorted(unknown) or args.arms} (smollm2's arms: {', '.join(known)})")
+        names = tuple(args.arms.split(","))
     t0 = time.perf_counter()
     base, root = common.study2_base(args, "timed_root")
-    names = ARMS if args.model == "demo" else SMOLLM2_ARMS + (SMOLLM2_SYNC if args.sync else ())
     results = run_arms(names, base, root, args)
     times = {n: timing(r) for n, r in results.items()}
     for n, r in results.items():  # when each arm ran, one after the other
         times[n]["started"] = r.records[0]["time"]
         times[n]["curves"] = curves(r)
-    plain = times.get("plain_sync") or times["plain"]
+    # the plain step the rollout share is of: synchronous if it ran, else static, else tail-aware
+    ref = next(n for n in ("plain_sync", "plain", "plain_compact", *times) if n in times)
+    plain = times[ref]
     for t in times.values():
         t["rollout_share_of_plain_step"] = plain["rollout_s"] / plain["rl_s_after_step_1"]
+        t["rollout_share_of"] = ref
     rat = ratios(times)
     m = common.MODELS[args.model]
     if args.model != "demo":
