@@ -70,7 +70,7 @@ def load_models(args, mesh):
     from bebop import policies
 
     cfg, _ = config_lib.load(str(REPO / args.config))  # the task whose prompts are timed
-    cfg = with_dtype(cfg, args.dtype)
+    cfg = with_dtype(cfg, getattr(args, "dtype", ""))
     policy = policies.load(cfg.policy, cfg.model, Path("."), mesh)
     pol_gd, pol_params, tok, pol_cfg = policy.graphdef, policy.params, policy.tok, policy.cfg
     mtp_gd, mtp_params = mtp_lib.init(pol_cfg, 1, seed=0)

@@ -23,7 +23,7 @@ from pathlib import Path
 
 import numpy as np
 
-from bebop import plots
+from bebop import io, plots
 
 REPO = Path(__file__).resolve().parents[1]
 KEPT = Path(__file__).resolve().parent / "kept_arms"
@@ -92,40 +92,43 @@ class ArmResult:
 
 
 def base_identity(base: Path) -> dict:
-    """What makes two base runs the same base: the config they ran (without the workdir) and
-    the outcome of their MTP training (steps run, final loss: a base trained again from the
-    same config is the same base only if it trained to the same weights, to the last digit)."""
+    """What makes two base runs the same base: the config they ran and the outcome of their MTP
+    training (steps run, final loss: a base trained again from the same config is the same base
+    only if it trained to the same weights, to the last digit)."""
     base = Path(base)
     cfg = json.loads((base / "config.json").read_text()) if (base / "config.json").exists() else {}
-    cfg.pop("workdir", None)
     summary = base / "mtp" / "summary.json"
     mtp = json.loads(summary.read_text()) if summary.exists() else {}
-    return {
-        "config": cfg,
-        "mtp": {k: mtp.get(k) for k in ("steps_run", "final_loss")},
-    }
+    return {"config": cfg, "mtp": {k: mtp.get(k) for k in ("steps_run", "final_loss")}}
 
 
-def kept_key(run: dict, base: Path) -> dict:
-    """A launch (`run_arm`'s record) with the base's path replaced by its identity."""
-    b = str(Path(base).absolute())
-    return {
-        "config": run["config"],
-        "base": base_identity(base),
-        "overrides": [o.replace(b, "<base>") for o in run["overrides"]],
-    }
+def kept_key(config: str, overrides, base: Path) -> dict:
+    """What a kept arm must match to be reused: the config its launch resolves to today (so that
+    a changed config file or default is a different arm), the base's path replaced by
+    `<base>`, and the base's identity."""
+    from bebop import config as config_lib
+
+    resolved = json.dumps(config_lib.to_dict(config_lib.load(config, overrides)[0]))
+    resolved = resolved.replace(json.dumps(str(Path(base).absolute()))[1:-1], "<base>")
+    return {"config": json.loads(resolved), "base": base_identity(base)}
 
 
 def kept_arm(keep: Path, arm: Arm, key: dict) -> ArmResult | None:
-    """The arm kept in `keep` (`keep_arm`) if it ran the launch `key`."""
+    """The arm kept in `keep` (`keep_arm`) if it ran the launch `key` (an unreadable file counts
+    as none)."""
     path = Path(keep) / f"{arm.name}.json"
     if not path.exists():
         return None
-    k = json.loads(path.read_text())
-    if k["key"] != key:
-        print(f"  {arm.name}: {path} is of another launch; running it", flush=True)
+    try:
+        k = json.loads(path.read_text())
+        result = ArmResult(arm, k["summary"], k["records"], k["wall_s"], k["config"])
+    except (ValueError, KeyError) as e:
+        print(f"  {arm.name}: {path} is unreadable ({e!r}); running the arm", flush=True)
         return None
-    return ArmResult(arm, k["summary"], k["records"], k["wall_s"], k["config"])
+    if k.get("key") != key:
+        print(f"  {arm.name}: {path} is of another launch or base; running the arm", flush=True)
+        return None
+    return result
 
 
 def keep_arm(keep: Path, res: ArmResult, key: dict) -> None:
@@ -137,7 +140,7 @@ def keep_arm(keep: Path, res: ArmResult, key: dict) -> None:
         "summary": res.summary,
         "records": res.records,
     }
-    (Path(keep) / f"{res.arm.name}.json").write_text(json.dumps(kept) + "\n")
+    io.write_json_atomic(Path(keep) / f"{res.arm.name}.json", kept, indent=None)
 
 
 def run_arm(
@@ -147,27 +150,36 @@ def run_arm(
     config: str = "configs/demo.py",
     extra=(),
     keep: Path | None = None,
-) -> ArmResult:
+    launch_missing: bool = True,
+) -> ArmResult | None:
     """The RL stage of `config` from `base`'s SFT policy with `arm`'s overrides (and `extra`,
     the study's common ones), in `root/arm.name`; a finished one is reused when it ran the same
     launch (config, base and overrides, recorded in its `arm.json`; a finished run recorded
     before launches were is reused as it is), else run again. `base` must be a run of the same
-    `config` (its SFT checkpoint is restored as that config's policy). `keep`: a directory
-    where the finished arm is kept (`keep_arm`) and from which an arm whose run directory is
-    gone is taken when it ran the same launch from an identical base (`base_identity`)."""
+    `config` (its SFT checkpoint is restored as that config's policy).
+
+    `keep`: a directory where the finished arm is kept (`keep_arm`; only an arm launched here or
+    one whose `arm.json` records the same key) and from which an arm is taken when its run
+    directory is not of this launch but the kept one is (`kept_key`: the same resolved config,
+    from an identical base). `launch_missing=False`: None instead of launching."""
     wd = Path(root).absolute() / arm.name
     done, record = wd / "rl" / "summary.json", wd / "arm.json"
     base = Path(base).absolute()
     init = [f"mtp.init_from={str(base / 'mtp' / 'ckpt')!r}"] if arm.pretrained else []
     run = {"config": config, "base": str(base)}
     run["overrides"] = ["stages=('rl',)", *init, *extra, *arm.overrides]
-    key = kept_key(run, base) if keep else None
-    if keep and not done.exists() and (res := kept_arm(keep, arm, key)) is not None:
-        print(f"  {arm.name}: kept in {keep}", flush=True)
-        return res
+    key = kept_key(config, run["overrides"], base) if keep else None
     saved = json.loads(record.read_text()) if record.exists() else {}
+    # a run directory of this launch (a record from before launches, or keys, were: as it is)
+    same = saved.get("launch", run) == run and saved.get("key", key) == key
+    if not (done.exists() and same):
+        if keep and (res := kept_arm(keep, arm, key)) is not None:
+            print(f"  {arm.name}: kept in {keep}", flush=True)
+            return res
+        if not launch_missing:
+            return None
     wall = saved.get("wall_s")
-    if done.exists() and saved.get("launch", run) != run:  # another base, config or setting
+    if done.exists() and not same:  # another base, config or setting
         print(f"  {arm.name}: {wd} is a run of another launch; running it again", flush=True)
         done.unlink()
     if not done.exists():
@@ -178,12 +190,13 @@ def run_arm(
         t0 = time.perf_counter()
         launch(config, wd, run["overrides"])
         wall = time.perf_counter() - t0
-        record.write_text(json.dumps({"wall_s": wall, "launch": run}) + "\n")
+        saved = {"wall_s": wall, "launch": run, "key": key}
+        record.write_text(json.dumps(saved) + "\n")
         print(f"  {arm.name}: {wall:.0f} s", flush=True)
     summary = json.loads(done.read_text())
     cfg = json.loads((wd / "config.json").read_text()) if (wd / "config.json").exists() else {}
     res = ArmResult(arm, summary, plots.read_metrics(wd / "rl" / "metrics.jsonl"), wall, cfg)
-    if keep:
+    if keep and saved.get("key") == key:
         keep_arm(keep, res, key)
     return res
 
@@ -339,16 +352,27 @@ MODELS = {
 }
 
 
-def study2_arms(names, base: Path, root: Path, args=None) -> dict[str, ArmResult]:
+def study2_arms(
+    names, base: Path, root: Path, args=None, launch_missing: bool = True
+) -> dict[str, ArmResult]:
     """The arms `names` from `base` in `root`; `args` (`study2_parser`'s): the model's config
-    (`:runlocal` with `--runlocal`) and overrides, then `--set`. Finished arms are kept in
-    `kept_arms/<root's name>/` (not smoke runs)."""
+    (`:runlocal` with `--runlocal`) and overrides, then `--set`. Finished arms of the study's own
+    setting (no `--runlocal`, no `--set`) are kept in `kept_arms/<root's name>/`.
+    `launch_missing=False`: only the arms that are finished or kept."""
     m = MODELS[getattr(args, "model", "demo")]
-    local = getattr(args, "runlocal", False)
+    local, sets = getattr(args, "runlocal", False), tuple(getattr(args, "set", ()))
     config = m.config + (":runlocal" if local else "")
-    extra = (*m.extra, *getattr(args, "set", ()))
-    keep = None if local else KEPT / Path(root).name
-    return {n: run_arm(STUDY2_ARMS[n], base, root, config, extra, keep) for n in names}
+    keep = None if local or sets else kept_dir(root)
+    out = {
+        n: run_arm(STUDY2_ARMS[n], base, root, config, (*m.extra, *sets), keep, launch_missing)
+        for n in names
+    }
+    return {n: r for n, r in out.items() if r is not None}
+
+
+def kept_dir(root: Path) -> Path:
+    """Where the arms of the arm directory `root` are kept."""
+    return KEPT / Path(root).name
 
 
 def study2_parser(root: str) -> argparse.ArgumentParser:

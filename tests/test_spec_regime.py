@@ -71,8 +71,9 @@ def test_a_finished_arm_is_reused_only_for_the_same_launch(tmp_path, monkeypatch
 
 def test_a_kept_arm_outlives_its_run_directory_only_for_an_identical_base(tmp_path, monkeypatch):
     """experiments.common.run_arm with `keep`: a finished arm is kept as JSON; with its run
-    directory gone, the same launch from a base trained again to the same MTP is taken from the
-    kept file (no launch); a base whose MTP trained to another loss runs the arm again."""
+    directory gone (or holding a run of another setting), the same launch from a base trained
+    again to the same MTP is taken from the kept file (no launch); another setting, a base whose
+    MTP trained to another loss, or an unreadable kept file run the arm again."""
     import json
     import shutil
 
@@ -83,7 +84,7 @@ def test_a_kept_arm_outlives_its_run_directory_only_for_an_identical_base(tmp_pa
     def fake_launch(config, wd, overrides):
         launches.append(list(overrides))
         (wd / "rl").mkdir(parents=True)
-        (wd / "config.json").write_text(json.dumps({"rl": {"steps": 3}}))
+        (wd / "config.json").write_text(json.dumps({"rl": {"steps": len(launches)}}))
         (wd / "rl" / "summary.json").write_text(json.dumps({"n": len(launches)}))
         (wd / "rl" / "metrics.jsonl").write_text('{"step": 1, "time": 5.0}\n')
         return {}
@@ -92,22 +93,99 @@ def test_a_kept_arm_outlives_its_run_directory_only_for_an_identical_base(tmp_pa
         base = tmp_path / "base"
         shutil.rmtree(base, ignore_errors=True)
         (base / "mtp").mkdir(parents=True)
-        (base / "config.json").write_text(json.dumps({"workdir": str(base), "seed": 0}))
+        (base / "config.json").write_text(json.dumps({"seed": 0}))
         summary = {"steps_run": 10, "final_loss": final_loss, "train_time_s": final_loss * 7}
         (base / "mtp" / "summary.json").write_text(json.dumps(summary))
         return base
 
+    def arm_of(base, extra=(), launch_missing=True):
+        return common.run_arm(arm, base, out, "configs/rl_smollm2.py", extra, keep, launch_missing)
+
     monkeypatch.setattr(common, "launch", fake_launch)
     arm, keep, out = common.Arm("spec", "speculative"), tmp_path / "kept", tmp_path / "out"
-    first = common.run_arm(arm, make_base(0.5), out, "configs/rl_smollm2.py", (), keep)
+    first = arm_of(make_base(0.5))
     kept = json.loads((keep / "spec.json").read_text())
-    assert kept["records"] == [{"step": 1, "time": 5.0}] and kept["config"]["rl"]["steps"] == 3
-    assert "<base>/mtp/ckpt" in kept["key"]["overrides"][1]  # not the absolute path
+    assert kept["records"] == [{"step": 1, "time": 5.0}] and kept["summary"] == {"n": 1}
+    assert kept["key"]["config"]["mtp"]["init_from"] == "<base>/mtp/ckpt"  # not the path
+    assert kept["key"]["config"]["rl"]["steps"] == 40  # the config the launch resolves to
     shutil.rmtree(out)
-    again = common.run_arm(arm, make_base(0.5), out, "configs/rl_smollm2.py", (), keep)
+    again = arm_of(make_base(0.5))  # the base trained again, to the same loss
     assert len(launches) == 1 and again.summary == first.summary == {"n": 1}
-    assert again.config == {"rl": {"steps": 3}} and again.wall_s == first.wall_s
-    other = common.run_arm(arm, make_base(0.25), out, "configs/rl_smollm2.py", (), keep)
-    assert len(launches) == 2 and other.summary == {"n": 2}
-    # the kept file now holds the new base's arm
+    assert again.config == {"rl": {"steps": 1}} and again.wall_s == first.wall_s
+    assert arm_of(make_base(0.5), ("rl.steps=3",), launch_missing=False) is None
+    other_setting = arm_of(make_base(0.5), ("rl.steps=3",))  # kept file: the new setting's
+    assert len(launches) == 2 and other_setting.summary == {"n": 2}
+    # the run directory holds the other setting's run; the kept arm of that setting is reused
+    # after the directory is gone, and an unreadable kept file runs the arm
+    shutil.rmtree(out)
+    assert arm_of(make_base(0.5), ("rl.steps=3",)).summary == {"n": 2} and len(launches) == 2
+    (keep / "spec.json").write_text('{"key": ')
+    assert arm_of(make_base(0.5), ("rl.steps=3",)).summary == {"n": 3}
+    other_base = arm_of(make_base(0.25), ("rl.steps=3",))  # another MTP: run again
+    assert len(launches) == 4 and other_base.summary == {"n": 4}
     assert json.loads((keep / "spec.json").read_text())["key"]["base"]["mtp"]["final_loss"] == 0.25
+
+
+def test_a_run_directory_of_another_launch_does_not_hide_a_kept_arm(tmp_path, monkeypatch):
+    """A smoke run left in the arm's directory: the kept arm of the study's own launch is reused
+    rather than run again; a run directory recorded without a key is never kept."""
+    import json
+
+    from experiments import common
+
+    launches = []
+
+    def fake_launch(config, wd, overrides):
+        launches.append(list(overrides))
+        (wd / "rl").mkdir(parents=True)
+        (wd / "rl" / "summary.json").write_text(json.dumps({"n": len(launches)}))
+        (wd / "rl" / "metrics.jsonl").write_text('{"step": 1}\n')
+        return {}
+
+    monkeypatch.setattr(common, "launch", fake_launch)
+    base = tmp_path / "base"
+    (base / "mtp").mkdir(parents=True)
+    arm, keep, out = common.Arm("spec", "speculative"), tmp_path / "kept", tmp_path / "out"
+    common.run_arm(arm, base, out, "configs/rl_smollm2.py", (), keep)
+    common.run_arm(arm, base, out, "configs/rl_smollm2.py", ("rl.steps=2",))  # a smoke run
+    assert len(launches) == 2
+    res = common.run_arm(arm, base, out, "configs/rl_smollm2.py", (), keep)
+    assert len(launches) == 2 and res.summary == {"n": 1}
+    # a finished directory recorded before launches were: reused as it is, but not kept
+    other = common.Arm("legacy", "legacy")
+    (out / "legacy" / "rl").mkdir(parents=True)
+    (out / "legacy" / "rl" / "summary.json").write_text("{}")
+    (out / "legacy" / "rl" / "metrics.jsonl").write_text('{"step": 1}\n')
+    (out / "legacy" / "arm.json").write_text(json.dumps({"wall_s": 1.0}))
+    assert common.run_arm(other, base, out, "configs/rl_smollm2.py", (), keep).wall_s == 1.0
+    assert len(launches) == 2 and not (keep / "legacy.json").exists()
+
+
+def test_predict_takes_kept_arms_of_the_same_base_only(tmp_path, monkeypatch):
+    """experiments.e2e_speedup.predict: by default it predicts the kept arms that ran from a base
+    identical to the one it measures, and refuses by name an arm kept from another base."""
+    import json
+
+    import pytest
+
+    from experiments import common
+    from experiments.e2e_speedup import predict
+
+    def make_base(name, final_loss):
+        base = tmp_path / name
+        (base / "mtp").mkdir(parents=True)
+        (base / "config.json").write_text("{}")
+        (base / "mtp" / "summary.json").write_text(json.dumps({"final_loss": final_loss}))
+        return base
+
+    same, other = make_base("a", 0.5), make_base("b", 0.25)
+    monkeypatch.setattr(common, "KEPT", tmp_path / "kept")
+    root = tmp_path / "exp"
+    common.kept_dir(root).mkdir(parents=True)
+    for name, base in (("plain", same), ("spec", other)):
+        kept = {"key": {"base": common.base_identity(base)}, "config": {"n": name}, "records": []}
+        (common.kept_dir(root) / f"{name}.json").write_text(json.dumps(kept))
+    assert predict.kept_of(root, same) == ["plain"]
+    assert predict.arm_run(root, "plain", same) == ({"n": "plain"}, [])
+    with pytest.raises(SystemExit, match="'spec'.*another base"):
+        predict.arm_run(root, "spec", same)

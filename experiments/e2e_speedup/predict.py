@@ -305,6 +305,18 @@ def arm_steps(records: list[dict], spec: costs.ArmSpec, derived: bool, learner_s
     return steps, float(np.sum(dt)), float(np.sum(roll))
 
 
+def kept_of(root: Path, base: Path) -> list[str]:
+    """The arms kept for the arm directory `root` that ran from a base identical to `base` (the
+    others are named and left out)."""
+    names, identity = [], common.base_identity(base)
+    for path in sorted(common.kept_dir(root).glob("*.json")):
+        if json.loads(path.read_text()).get("key", {}).get("base") == identity:
+            names.append(path.stem)
+        else:
+            print(f"{path}: kept from another base than {base}; not predicted", flush=True)
+    return names
+
+
 def arm_run(root: Path, name: str, base: Path) -> tuple[dict, list[dict]]:
     """(config, records) of the finished arm `name`: its run directory in `root`, else the arm
     kept in `common.KEPT` (which must have run from a base identical to `base`)."""
@@ -312,7 +324,7 @@ def arm_run(root: Path, name: str, base: Path) -> tuple[dict, list[dict]]:
     if (wd / "rl" / "summary.json").exists():
         cfg = json.loads((wd / "config.json").read_text())
         return cfg, plots.read_metrics(wd / "rl" / "metrics.jsonl")
-    path = common.KEPT / root.name / f"{name}.json"
+    path = common.kept_dir(root) / f"{name}.json"
     if not path.exists():
         raise SystemExit(f"arm {name!r}: no finished run in {root} and none kept in {path}")
     kept = json.loads(path.read_text())
@@ -366,7 +378,7 @@ def main(argv=None):
     config = m.config + (":runlocal" if args.runlocal else "")
     names = [a for a in args.arms.split(",") if a] or sorted(
         {p.parent.parent.name for p in root.glob("*/rl/summary.json")}
-        | {p.stem for p in (common.KEPT / root.name).glob("*.json")}
+        | set([] if args.runlocal else kept_of(root, base))
     )
     if not names:
         raise SystemExit(f"--out {root}: no finished arm (*/rl/summary.json), none kept")

@@ -272,8 +272,8 @@ def figures(results: dict[str, common.ArmResult], window: int) -> None:
 
 def run_arms(names, base: Path, root: Path, args) -> dict[str, common.ArmResult]:
     """The arms one after the other; after each, its figures are written to the model's
-    results file (`arms`: a later launch reuses every finished arm, so the study can be run in
-    parts)."""
+    results file (`arms`: a later launch reuses every finished or kept arm, so the study can be
+    run in parts)."""
     m = common.MODELS[args.model]
     path = HERE / m.results
     results = {}
@@ -307,16 +307,19 @@ def main():
     t0 = time.perf_counter()
     base, root = common.study2_base(args, "timed_root")
     results = run_arms(names, base, root, args)
+    if args.model != "demo":  # the study's other arms that are finished or kept (no launch)
+        every = SMOLLM2_ARMS + SMOLLM2_SYNC
+        done = common.study2_arms([n for n in every if n not in results], base, root, args, False)
+        results = {n: results.get(n) or done[n] for n in every if n in results or n in done}
     times = {n: timing(r) for n, r in results.items()}
     for n, r in results.items():  # when each arm ran, one after the other
         times[n]["started"] = r.records[0]["time"]
         times[n]["curves"] = curves(r)
     # the plain step the rollout share is of: synchronous if it ran, else static, else tail-aware
-    ref = next(n for n in ("plain_sync", "plain", "plain_compact", *times) if n in times)
-    plain = times[ref]
+    ref = next((n for n in ("plain_sync", "plain", "plain_compact") if n in times), None)
     for t in times.values():
-        t["rollout_share_of_plain_step"] = plain["rollout_s"] / plain["rl_s_after_step_1"]
-        t["rollout_share_of"] = ref
+        share = ref and times[ref]["rollout_s"] / times[ref]["rl_s_after_step_1"]
+        t["rollout_share_of_plain_step"], t["rollout_share_of"] = share, ref
     rat = ratios(times)
     m = common.MODELS[args.model]
     if args.model != "demo":
@@ -333,7 +336,7 @@ def main():
             print(f"speedup {n:34s} " + "  ".join(f"{k} {v:.2f}x" for k, v in r.items()))
         common.report(HERE, "e2e_speedup", base, results, t0, args.model, arms=times, ratios=rat)
         if args.predict:
-            predict_tail(args, base, root)
+            predict_tail(args, base, root, list(results))
         return
     figures(results, args.window)
     gamma = config_lib.from_dict(
@@ -371,15 +374,16 @@ def main():
         paper=PAPER,
     )
     if args.predict:
-        predict_tail(args, base, root)
+        predict_tail(args, base, root, list(results))
 
 
-def predict_tail(args, base: Path, root: Path) -> None:
-    """`experiments.e2e_speedup.predict` on the arms just run (it updates the results file and
-    prints its JSON)."""
+def predict_tail(args, base: Path, root: Path, arms: list[str]) -> None:
+    """`experiments.e2e_speedup.predict` on `arms` (it updates the results file and prints its
+    JSON)."""
     from experiments.e2e_speedup import predict
 
     flags = ["--model", args.model, "--base", str(base), "--out", str(root)]
+    flags += ["--arms", ",".join(arms)]
     predict.main(flags + (["--runlocal"] if args.runlocal else []))
 
 
