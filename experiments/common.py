@@ -91,26 +91,34 @@ class ArmResult:
         return plots.series(self.records, key)
 
 
-def base_identity(base: Path) -> dict:
-    """What makes two base runs the same base: the config they ran and the outcome of their MTP
-    training (steps run, final loss: a base trained again from the same config is the same base
-    only if it trained to the same weights, to the last digit)."""
+def base_identity(base: Path, mtp: bool = True) -> dict:
+    """What makes two base runs the same base for an arm: the config they ran and the outcome
+    of the training the arm starts from -- the SFT policy's (if the base trained one) and, for an
+    arm that drafts with or updates the pre-RL MTP (`mtp`), the MTP's -- as steps run and final
+    loss: a base trained again from the same config is the same base only if it trained to the
+    same weights, to the last digit."""
     base = Path(base)
+
+    def outcome(stage: str) -> dict | None:
+        path = base / stage / "summary.json"
+        if not path.exists():
+            return None
+        summary = json.loads(path.read_text())
+        return {k: summary.get(k) for k in ("steps_run", "final_loss")}
+
     cfg = json.loads((base / "config.json").read_text()) if (base / "config.json").exists() else {}
-    summary = base / "mtp" / "summary.json"
-    mtp = json.loads(summary.read_text()) if summary.exists() else {}
-    return {"config": cfg, "mtp": {k: mtp.get(k) for k in ("steps_run", "final_loss")}}
+    return {"config": cfg, "sft": outcome("sft"), "mtp": outcome("mtp") if mtp else None}
 
 
-def kept_key(config: str, overrides, base: Path) -> dict:
+def kept_key(config: str, overrides, base: Path, mtp: bool = True) -> dict:
     """What a kept arm must match to be reused: the config its launch resolves to today (so that
     a changed config file or default is a different arm), the base's path replaced by
-    `<base>`, and the base's identity."""
+    `<base>`, and the base's identity (`mtp`: the arm starts from the base's MTP)."""
     from bebop import config as config_lib
 
     resolved = json.dumps(config_lib.to_dict(config_lib.load(config, overrides)[0]))
     resolved = resolved.replace(json.dumps(str(Path(base).absolute()))[1:-1], "<base>")
-    return {"config": json.loads(resolved), "base": base_identity(base)}
+    return {"config": json.loads(resolved), "base": base_identity(base, mtp)}
 
 
 def kept_arm(keep: Path, arm: Arm, key: dict) -> ArmResult | None:
@@ -168,7 +176,7 @@ def run_arm(
     init = [f"mtp.init_from={str(base / 'mtp' / 'ckpt')!r}"] if arm.pretrained else []
     run = {"config": config, "base": str(base)}
     run["overrides"] = ["stages=('rl',)", *init, *extra, *arm.overrides]
-    key = kept_key(config, run["overrides"], base) if keep else None
+    key = kept_key(config, run["overrides"], base, arm.pretrained) if keep else None
     saved = json.loads(record.read_text()) if record.exists() else {}
     # a run directory of this launch (a record from before launches, or keys, were: as it is)
     same = saved.get("launch", run) == run and saved.get("key", key) == key

@@ -124,6 +124,13 @@ def test_a_kept_arm_outlives_its_run_directory_only_for_an_identical_base(tmp_pa
     other_base = arm_of(make_base(0.25), ("rl.steps=3",))  # another MTP: run again
     assert len(launches) == 4 and other_base.summary == {"n": 4}
     assert json.loads((keep / "spec.json").read_text())["key"]["base"]["mtp"]["final_loss"] == 0.25
+    # an arm that never drafts with the base's MTP does not depend on how the MTP trained
+    plain = common.Arm("plain", "plain", ("rollout.mode='plain'",), pretrained=False)
+    common.run_arm(plain, make_base(0.25), out, "configs/rl_smollm2.py", (), keep)
+    shutil.rmtree(out)
+    n = len(launches)
+    common.run_arm(plain, make_base(0.125), out, "configs/rl_smollm2.py", (), keep)
+    assert len(launches) == n
 
 
 def test_a_run_directory_of_another_launch_does_not_hide_a_kept_arm(tmp_path, monkeypatch):

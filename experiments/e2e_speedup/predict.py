@@ -305,12 +305,19 @@ def arm_steps(records: list[dict], spec: costs.ArmSpec, derived: bool, learner_s
     return steps, float(np.sum(dt)), float(np.sum(roll))
 
 
+def same_base(kept: dict, base: Path) -> bool:
+    """Whether a kept arm ran from a base identical to `base` (`common.base_identity`; an arm
+    that never drafted with the base's MTP does not depend on it)."""
+    have = kept.get("key", {}).get("base") or {}
+    return have == common.base_identity(base, have.get("mtp") is not None)
+
+
 def kept_of(root: Path, base: Path) -> list[str]:
     """The arms kept for the arm directory `root` that ran from a base identical to `base` (the
     others are named and left out)."""
-    names, identity = [], common.base_identity(base)
+    names = []
     for path in sorted(common.kept_dir(root).glob("*.json")):
-        if json.loads(path.read_text()).get("key", {}).get("base") == identity:
+        if same_base(json.loads(path.read_text()), base):
             names.append(path.stem)
         else:
             print(f"{path}: kept from another base than {base}; not predicted", flush=True)
@@ -328,7 +335,7 @@ def arm_run(root: Path, name: str, base: Path) -> tuple[dict, list[dict]]:
     if not path.exists():
         raise SystemExit(f"arm {name!r}: no finished run in {root} and none kept in {path}")
     kept = json.loads(path.read_text())
-    if kept["key"]["base"] != common.base_identity(base):
+    if not same_base(kept, base):
         raise SystemExit(f"arm {name!r}: {path} ran from another base than {base}")
     return kept["config"], kept["records"]
 
