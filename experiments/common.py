@@ -209,6 +209,19 @@ def run_arm(
     return res
 
 
+# Arms whose wall times are compared must run side by side: this machine's speed drifts by up to
+# 1.5-2x between days, so arms that started further apart than this are not compared by time
+# (their acceptance and accuracy still are).
+SIDE_BY_SIDE_S = 12 * 3600
+
+
+def hours_apart(a: ArmResult, b: ArmResult) -> float | None:
+    """Hours between the starts of two arms if more than `SIDE_BY_SIDE_S` (None: comparable by
+    wall time)."""
+    apart = abs(a.records[0]["time"] - b.records[0]["time"])
+    return apart / 3600 if apart > SIDE_BY_SIDE_S else None
+
+
 def running_mean(y, width: int) -> np.ndarray:
     """Mean of the last `width` values at each point (fewer at the start)."""
     y = np.asarray(y, np.float64)

@@ -195,3 +195,42 @@ def test_loss_ablation_delta_stands_on_the_prompts_both_arms_share():
     z = (np.array([2, 3, 3, 4]) - 0.75 * 4) / 4 - (np.array([1, 2, 3, 4]) - 0.625 * 4) / 4
     assert se == pytest.approx(100 * z.std(ddof=1) / 2)
     assert paired_delta(ce, arm)[:2] == pytest.approx((-d, se))
+
+
+def test_wall_times_are_compared_only_between_arms_run_side_by_side():
+    """experiments.e2e_speedup.ratios: a pair of arms that started more than 12 h apart (e.g. on
+    different days, kept from another launch) gets no ratio of times, a pair 1 h apart does."""
+    from experiments.e2e_speedup.run import ratios
+
+    def arm(started, rl_s):
+        return dict(started=started, rl_s_after_step_1=rl_s, step_s_median=1.0, rollout_s=rl_s)
+
+    same_day = ratios({"plain_compact": arm(0.0, 120.0), "frozen_rs_compact": arm(3600.0, 100.0)})
+    assert same_day["async_compact"]["rl_s_after_step_1"] == pytest.approx(1.2)
+    apart = ratios({"plain_compact": arm(0.0, 120.0), "frozen_rs_compact": arm(13 * 3600.0, 100.0)})
+    assert "rl_s_after_step_1" not in apart["async_compact"]
+    assert "13 h apart" in apart["async_compact"]["not_compared"]
+
+
+def test_growmtp_does_not_compare_step_times_with_a_plain_arm_of_another_day():
+    from experiments import common
+    from experiments.growmtp.run import row
+
+    def arm(name, t0):
+        recs = [
+            {
+                "step": s,
+                "time": t0 + 10.0 * s,
+                "rollout_s": 4.0,
+                "accept_len": 1.5,
+                "reward_mean": 0.5,
+            }
+            for s in range(1, 13)
+        ]
+        return common.ArmResult(common.Arm(name, name), {"accuracy_after": 0.5}, recs, None)
+
+    near = row(arm("grow", 3600.0), arm("plain", 0.0), window=5)
+    assert near["step_s_ratio"]["all"] == pytest.approx(1.0)
+    far = row(arm("grow", 20 * 3600.0), arm("plain", 0.0), window=5)
+    assert "not_compared" in far["step_s_ratio"] and "not_compared" in far["rollout_s_ratio"]
+    assert far["accept_len_last10"] == pytest.approx(1.5)  # acceptance is still compared

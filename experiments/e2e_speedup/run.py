@@ -117,7 +117,7 @@ def curves(res: common.ArmResult) -> dict:
 
 def ratios(t: dict) -> dict:
     """Speedups: the first arm's time / the second's (> 1: the second is faster), for the pairs
-    whose arms both ran."""
+    whose arms both ran, side by side (`common.SIDE_BY_SIDE_S`; each arm's `started`)."""
     pairs = {
         "sync": ("plain_sync", "frozen_rs_sync"),
         "async": ("plain", "frozen_rs"),
@@ -134,10 +134,18 @@ def ratios(t: dict) -> dict:
     for name, (a, b) in pairs.items():
         if a not in t or b not in t:
             continue
+        apart = abs(t[a]["started"] - t[b]["started"])
+        if apart > common.SIDE_BY_SIDE_S:  # not side by side: no ratio of times
+            out[name] = {"not_compared": f"{a} and {b} started {apart / 3600:.0f} h apart"}
+            continue
         out[name] = {
             k: t[a][k] / t[b][k] for k in ("rl_s_after_step_1", "step_s_median", "rollout_s")
         }
     return out
+
+
+def _fmt(key: str, value) -> str:
+    return f"{key} {value:.2f}x" if isinstance(value, float) else f"{key}: {value}"
 
 
 # The GPU of the projection: H100 SXM, dense bf16 989 TFLOP/s and 3.35 TB/s of HBM (NVIDIA's
@@ -333,7 +341,7 @@ def main():
                 flush=True,
             )
         for n, r in rat.items():
-            print(f"speedup {n:34s} " + "  ".join(f"{k} {v:.2f}x" for k, v in r.items()))
+            print(f"speedup {n:34s} " + "  ".join(_fmt(k, v) for k, v in r.items()))
         common.report(HERE, "e2e_speedup", base, results, t0, args.model, arms=times, ratios=rat)
         if args.predict:
             predict_tail(args, base, root, list(results))
@@ -350,7 +358,7 @@ def main():
             flush=True,
         )
     for n, r in rat.items():
-        print(f"speedup {n:28s} " + "  ".join(f"{k} {v:.2f}x" for k, v in r.items()), flush=True)
+        print(f"speedup {n:28s} " + "  ".join(_fmt(k, v) for k, v in r.items()), flush=True)
     proj = model_["projection"]
     print(
         f"cost model at {model_['batch']} rows, accept length {model_['accept_len']:.2f}: this "
