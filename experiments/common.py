@@ -47,13 +47,28 @@ def link_tree(src: Path, dst: Path) -> None:
 
 
 def base_run(
-    workdir: Path, config: str = "configs/demo.py", stages=("sft", "distill", "mtp"), extra=()
+    workdir: Path,
+    config: str = "configs/demo.py",
+    stages=("sft", "distill", "mtp"),
+    extra=(),
+    config_only: bool = False,
 ) -> Path:
     """A run of `config` whose `stages` (the last: `mtp`) are finished: `workdir` as it is if so
     (e.g. the demo's `runs/demo`), else those stages are trained there first (with `extra`
-    overrides)."""
+    overrides). `config_only`: the arms start from none of the base's weights (no SFT stage and
+    no pre-RL MTP: plain rollouts or GrowMTP from scratch on a checkpoint's policy), so only the
+    base's `config.json` is written (as its launch writes it) and nothing is trained."""
     workdir = Path(workdir).absolute()
-    if not (workdir / "mtp" / "summary.json").exists():
+    done = (workdir / "mtp" / "summary.json").exists()
+    if config_only and not done and "sft" not in stages:
+        if not (workdir / "config.json").exists():
+            from bebop import config as config_lib
+
+            cfg = config_lib.load(config, [f"stages={tuple(stages)!r}", *extra])[0]
+            workdir.mkdir(parents=True, exist_ok=True)
+            config_lib.dump(cfg, workdir / "config.json")
+        return workdir
+    if not done:
         print(f"training the base run ({', '.join(stages)}) in {workdir}", flush=True)
         launch(config, workdir, [f"stages={tuple(stages)!r}", *extra])
     return workdir
@@ -134,9 +149,22 @@ def kept_arm(keep: Path, arm: Arm, key: dict) -> ArmResult | None:
         print(f"  {arm.name}: {path} is unreadable ({e!r}); running the arm", flush=True)
         return None
     if k.get("key") != key:
+        if untrained_base_match(k.get("key"), key):
+            print(f"  {arm.name}: kept from a base of this config (none trained here)", flush=True)
+            return result
         print(f"  {arm.name}: {path} is of another launch or base; running the arm", flush=True)
         return None
     return result
+
+
+def untrained_base_match(kept: dict | None, key: dict) -> bool:
+    """`kept` is the launch `key` from a base of the same config whose MTP `key`'s base has not
+    trained (a base that is only its config: `base_run(config_only=True)`), so that a study
+    launched for plain arms reports the arms kept from a trained base of that config."""
+    if not kept or key["base"]["mtp"] is not None or "mtp" not in key["base"]:
+        return False
+    unknown = {**key["base"], "mtp": kept["base"].get("mtp")}
+    return kept["config"] == key["config"] and kept["base"] == unknown
 
 
 def keep_arm(keep: Path, res: ArmResult, key: dict) -> None:
@@ -413,12 +441,15 @@ def study2_parser(root: str) -> argparse.ArgumentParser:
     return ap
 
 
-def study2_base(args, root_attr: str) -> tuple[Path, Path]:
+def study2_base(args, root_attr: str, names=None) -> tuple[Path, Path]:
     """(base run, trained first if needed; the arms' directory) of parsed `study2_parser`
-    flags; `root_attr`: the `Model` field of the default arm directory."""
+    flags; `root_attr`: the `Model` field of the default arm directory; `names`: the arms to run
+    (None: some need the base's weights), e.g. plain arms need no trained base on a model
+    without an SFT stage."""
     m = MODELS[args.model]
     local = ":runlocal" if args.runlocal else ""
-    base = base_run(Path(args.base or m.base), m.base_config + local, m.base_stages)
+    weightless = names is not None and not any(STUDY2_ARMS[n].pretrained for n in names)
+    base = base_run(Path(args.base or m.base), m.base_config + local, m.base_stages, (), weightless)
     return base, Path(args.out or getattr(m, root_attr))
 
 

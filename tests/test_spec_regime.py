@@ -124,6 +124,14 @@ def test_a_kept_arm_outlives_its_run_directory_only_for_an_identical_base(tmp_pa
     other_base = arm_of(make_base(0.25), ("rl.steps=3",))  # another MTP: run again
     assert len(launches) == 4 and other_base.summary == {"n": 4}
     assert json.loads((keep / "spec.json").read_text())["key"]["base"]["mtp"]["final_loss"] == 0.25
+    # a base that is only its config (nothing trained): an arm kept from a trained base of
+    # that config is reported; of another config, not
+    shutil.rmtree(out)
+    untrained = make_base(0.5)
+    shutil.rmtree(untrained / "mtp")
+    assert arm_of(untrained, ("rl.steps=3",), launch_missing=False).summary == {"n": 4}
+    (untrained / "config.json").write_text(json.dumps({"seed": 1}))
+    assert arm_of(untrained, ("rl.steps=3",), launch_missing=False) is None
     # an arm that never drafts with the base's MTP does not depend on how the MTP trained
     plain = common.Arm("plain", "plain", ("rollout.mode='plain'",), pretrained=False)
     common.run_arm(plain, make_base(0.25), out, "configs/rl_smollm2.py", (), keep)
@@ -196,3 +204,30 @@ def test_predict_takes_kept_arms_of_the_same_base_only(tmp_path, monkeypatch):
     assert predict.arm_run(root, "plain", same) == ({"n": "plain"}, [])
     with pytest.raises(SystemExit, match="'spec'.*another base"):
         predict.arm_run(root, "spec", same)
+
+
+def test_plain_arms_of_a_model_without_sft_need_no_trained_base(tmp_path, monkeypatch):
+    """experiments.common.study2_base: SmolLM2's plain arms start from the checkpoint's policy,
+    so the base is only its config (written as launch.py writes it: the later base launch's
+    config.json must equal it, or kept plain arms would not match); an arm that drafts with the
+    base's MTP trains the base; the demo (an SFT stage) always trains it."""
+    import argparse
+    import json
+
+    from bebop import config as config_lib
+    from experiments import common
+
+    launched = []
+    monkeypatch.setattr(common, "launch", lambda config, wd, o: launched.append((config, wd)))
+    args = argparse.Namespace(model="smollm2", base=str(tmp_path / "b"), out=None, runlocal=False)
+    base, _ = common.study2_base(args, "timed_root", ["plain_compact", "plain"])
+    assert not launched and base == (tmp_path / "b").absolute()
+    cfg = config_lib.load("configs/mtp_smollm2.py", ["stages=('distill', 'mtp')"])[0]
+    written = json.loads((base / "config.json").read_text())
+    assert written == json.loads(json.dumps(config_lib.to_dict(cfg)))  # as launch.py compares
+    assert written["stages"] == ["distill", "mtp"]
+    common.study2_base(args, "timed_root", ["plain_compact", "frozen_rs_compact"])
+    assert launched == [("configs/mtp_smollm2.py", base)]
+    demo = argparse.Namespace(model="demo", base=str(tmp_path / "d"), out=None, runlocal=False)
+    common.study2_base(demo, "timed_root", ["plain"])
+    assert launched[-1] == ("configs/demo.py", (tmp_path / "d").absolute())

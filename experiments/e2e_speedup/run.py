@@ -313,7 +313,8 @@ def main():
             ap.error(f"--arms: {sorted(unknown) or args.arms} (smollm2's arms: {', '.join(known)})")
         names = tuple(args.arms.split(","))
     t0 = time.perf_counter()
-    base, root = common.study2_base(args, "timed_root")
+    # plain arms alone (without --predict, which times the MTP) need no trained base
+    base, root = common.study2_base(args, "timed_root", None if args.predict else names)
     results = run_arms(names, base, root, args)
     if args.model != "demo":  # the study's other arms that are finished or kept (no launch)
         every = SMOLLM2_ARMS + SMOLLM2_SYNC
