@@ -187,6 +187,7 @@ def run_arm(
     extra=(),
     keep: Path | None = None,
     launch_missing: bool = True,
+    borrow: tuple[Path, ...] = (),
 ) -> ArmResult | None:
     """The RL stage of `config` from `base`'s SFT policy with `arm`'s overrides (and `extra`,
     the study's common ones), in `root/arm.name`; a finished one is reused when it ran the same
@@ -197,7 +198,10 @@ def run_arm(
     `keep`: a directory where the finished arm is kept (`keep_arm`; only an arm launched here or
     one whose `arm.json` records the same key) and from which an arm is taken when its run
     directory is not of this launch but the kept one is (`kept_key`: the same resolved config,
-    from an identical base). `launch_missing=False`: None instead of launching."""
+    from an identical base). `borrow`: other studies' kept directories whose arm of the same
+    key is taken too (a study of acceptance reuses an arm a timed study ran; never the other way:
+    a timed arm must have run on an otherwise idle machine). `launch_missing=False`: None
+    instead of launching."""
     wd = Path(root).absolute() / arm.name
     done, record = wd / "rl" / "summary.json", wd / "arm.json"
     base = Path(base).absolute()
@@ -209,9 +213,10 @@ def run_arm(
     # a run directory of this launch (a record from before launches, or keys, were: as it is)
     same = saved.get("launch", run) == run and saved.get("key", key) == key
     if not (done.exists() and same):
-        if keep and (res := kept_arm(keep, arm, key)) is not None:
-            print(f"  {arm.name}: kept in {keep}", flush=True)
-            return res
+        for kept in (keep, *borrow) if keep else ():
+            if (res := kept_arm(kept, arm, key)) is not None:
+                print(f"  {arm.name}: kept in {kept}", flush=True)
+                return res
         if not launch_missing:
             return None
     wall = saved.get("wall_s")
@@ -402,18 +407,20 @@ MODELS = {
 
 
 def study2_arms(
-    names, base: Path, root: Path, args=None, launch_missing: bool = True
+    names, base: Path, root: Path, args=None, launch_missing: bool = True, borrow=()
 ) -> dict[str, ArmResult]:
     """The arms `names` from `base` in `root`; `args` (`study2_parser`'s): the model's config
     (`:runlocal` with `--runlocal`) and overrides, then `--set`. Finished arms of the study's own
     setting (no `--runlocal`, no `--set`) are kept in `kept_arms/<root's name>/`.
-    `launch_missing=False`: only the arms that are finished or kept."""
+    `launch_missing=False`: only the arms that are finished or kept; `borrow`: `run_arm`'s."""
     m = MODELS[getattr(args, "model", "demo")]
     local, sets = getattr(args, "runlocal", False), tuple(getattr(args, "set", ()))
     config = m.config + (":runlocal" if local else "")
     keep = None if local or sets else kept_dir(root)
     out = {
-        n: run_arm(STUDY2_ARMS[n], base, root, config, (*m.extra, *sets), keep, launch_missing)
+        n: run_arm(
+            STUDY2_ARMS[n], base, root, config, (*m.extra, *sets), keep, launch_missing, borrow
+        )
         for n in names
     }
     return {n: r for n, r in out.items() if r is not None}

@@ -143,7 +143,8 @@ def test_a_kept_arm_outlives_its_run_directory_only_for_an_identical_base(tmp_pa
 
 def test_a_run_directory_of_another_launch_does_not_hide_a_kept_arm(tmp_path, monkeypatch):
     """A smoke run left in the arm's directory: the kept arm of the study's own launch is reused
-    rather than run again; a run directory recorded without a key is never kept."""
+    rather than run again; another study borrowing that kept directory takes the arm of the same
+    launch only; a run directory recorded without a key is never kept."""
     import json
 
     from experiments import common
@@ -166,6 +167,22 @@ def test_a_run_directory_of_another_launch_does_not_hide_a_kept_arm(tmp_path, mo
     assert len(launches) == 2
     res = common.run_arm(arm, base, out, "configs/rl_smollm2.py", (), keep)
     assert len(launches) == 2 and res.summary == {"n": 1}
+    # another study borrows the kept arm of the same launch (not one of another setting)
+    other_study = tmp_path / "other"
+    lent = common.run_arm(
+        arm, base, other_study, "configs/rl_smollm2.py", (), other_study / "k", borrow=(keep,)
+    )
+    assert len(launches) == 2 and lent.summary == {"n": 1}
+    common.run_arm(
+        arm,
+        base,
+        other_study,
+        "configs/rl_smollm2.py",
+        ("rl.steps=2",),
+        other_study / "k",
+        borrow=(keep,),
+    )
+    assert len(launches) == 3
     # a finished directory recorded before launches were: reused as it is, but not kept
     other = common.Arm("legacy", "legacy")
     (out / "legacy" / "rl").mkdir(parents=True)
@@ -173,7 +190,7 @@ def test_a_run_directory_of_another_launch_does_not_hide_a_kept_arm(tmp_path, mo
     (out / "legacy" / "rl" / "metrics.jsonl").write_text('{"step": 1}\n')
     (out / "legacy" / "arm.json").write_text(json.dumps({"wall_s": 1.0}))
     assert common.run_arm(other, base, out, "configs/rl_smollm2.py", (), keep).wall_s == 1.0
-    assert len(launches) == 2 and not (keep / "legacy.json").exists()
+    assert len(launches) == 3 and not (keep / "legacy.json").exists()
 
 
 def test_predict_takes_kept_arms_of_the_same_base_only(tmp_path, monkeypatch):

@@ -141,6 +141,11 @@ def ratios(t: dict) -> dict:
         out[name] = {
             k: t[a][k] / t[b][k] for k in ("rl_s_after_step_1", "step_s_median", "rollout_s")
         }
+        # the learner's seconds per response token: the same work in both arms, so its ratio
+        # is how far the machine's speed moved between them (1 when nothing did)
+        per_token = [t[n].get("train_s", 0) / (t[n].get("response_tokens") or 1) for n in (a, b)]
+        if all(per_token):
+            out[name]["learner_s_per_token"] = per_token[0] / per_token[1]
     return out
 
 

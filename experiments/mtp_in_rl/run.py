@@ -131,7 +131,9 @@ def main():
     args = common.study2_parser(common.STUDY2_ROOT).parse_args()
     t0 = time.perf_counter()
     base, root = common.study2_base(args, "study2_root")
-    results = common.study2_arms(ARMS, base, root, args)
+    # an arm the timed studies ran (e.g. frozen_rs in growmtp) is the same run: taken from them
+    timed = common.kept_dir(common.MODELS[args.model].timed_root)
+    results = common.study2_arms(ARMS, base, root, args, borrow=(timed,))
     study1 = json.loads(STUDY1[args.model].read_text())
     rows = {n: decompose(r, study1, args.window) for n, r in results.items()}
     figures(results, args.window, args.model)
