@@ -426,6 +426,17 @@ def study2_arms(
     return {n: r for n, r in out.items() if r is not None}
 
 
+def outputs(args, here: Path, root: Path) -> Path:
+    """Where a study-2 script writes its results file and figures: the study's directory `here`
+    for its own setting; a smoke or `--set` run writes to `root/results/` (it never replaces
+    the study's committed results)."""
+    if not (getattr(args, "runlocal", False) or getattr(args, "set", ())):
+        return Path(here)
+    out = Path(root) / "results"
+    out.mkdir(parents=True, exist_ok=True)
+    return out
+
+
 def kept_dir(root: Path) -> Path:
     """Where the arms of the arm directory `root` are kept."""
     return KEPT / Path(root).name

@@ -248,3 +248,19 @@ def test_plain_arms_of_a_model_without_sft_need_no_trained_base(tmp_path, monkey
     demo = argparse.Namespace(model="demo", base=str(tmp_path / "d"), out=None, runlocal=False)
     common.study2_base(demo, "timed_root", ["plain"])
     assert launched[-1] == ("configs/demo.py", (tmp_path / "d").absolute())
+
+
+def test_a_smoke_run_never_replaces_a_studys_results(tmp_path):
+    """experiments.common.outputs: the study's own setting writes next to its script; a
+    `--runlocal` or `--set` run writes under its arm directory instead."""
+    import argparse
+
+    from experiments import common
+
+    here, root = tmp_path / "study", tmp_path / "arms"
+    own = argparse.Namespace(runlocal=False, set=[])
+    assert common.outputs(own, here, root) == here and not root.exists()
+    smoke = argparse.Namespace(runlocal=True, set=[])
+    assert common.outputs(smoke, here, root) == root / "results" and (root / "results").is_dir()
+    other = argparse.Namespace(runlocal=False, set=["rl.steps=3"])
+    assert common.outputs(other, here, root) == root / "results"

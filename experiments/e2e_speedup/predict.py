@@ -399,7 +399,7 @@ def main(argv=None):
             f"{a['predicted_rollout_s']:7.1f} s ({a['rollout_pred_error']:+.1%})",
             flush=True,
         )
-    path = Path(args.results) if args.results else HERE / m.results
+    path = Path(args.results) if args.results else common.outputs(args, HERE, root) / m.results
     res = json.loads(path.read_text()) if path.exists() else {}
     res.setdefault("arms", {})
     for n, a in arms.items():

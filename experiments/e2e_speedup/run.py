@@ -268,14 +268,14 @@ def accuracy_figure(path: Path, results: dict[str, common.ArmResult], window: in
     plt.close(fig)
 
 
-def figures(results: dict[str, common.ArmResult], window: int) -> None:
+def figures(results: dict[str, common.ArmResult], window: int, where: Path = HERE) -> None:
     curves = {}
     for r in results.values():
         step, reward = r.series("reward_mean")
         _, t = r.series("time")
         curves[r.arm.label] = (step, (t - t[0]) / 60.0, common.running_mean(reward, window))
     plots.twin_x(
-        HERE / "reward.png",
+        where / "reward.png",
         curves,
         ("RL step", "RL wall-clock (minutes since the first step)"),
         f"sampled reward (running mean of {window} steps)",
@@ -288,7 +288,7 @@ def run_arms(names, base: Path, root: Path, args) -> dict[str, common.ArmResult]
     results file (`arms`: a later launch reuses every finished or kept arm, so the study can be
     run in parts)."""
     m = common.MODELS[args.model]
-    path = HERE / m.results
+    path = common.outputs(args, HERE, root) / m.results
     results = {}
     for n in names:
         results.update(common.study2_arms([n], base, root, args))
@@ -335,9 +335,9 @@ def main():
         share = ref and times[ref]["rollout_s"] / times[ref]["rl_s_after_step_1"]
         t["rollout_share_of_plain_step"], t["rollout_share_of"] = share, ref
     rat = ratios(times)
-    m = common.MODELS[args.model]
+    m, out = common.MODELS[args.model], common.outputs(args, HERE, root)
     if args.model != "demo":
-        accuracy_figure(HERE / "reward_accuracy_smollm2.png", results, args.window, m.setting)
+        accuracy_figure(out / "reward_accuracy_smollm2.png", results, args.window, m.setting)
         for n, t in times.items():
             print(
                 f"{n:24s} RL {t['rl_s_after_step_1']:.0f} s  step {t['step_s_median']:.2f} s  "
@@ -348,11 +348,11 @@ def main():
             )
         for n, r in rat.items():
             print(f"speedup {n:34s} " + "  ".join(_fmt(k, v) for k, v in r.items()))
-        common.report(HERE, "e2e_speedup", base, results, t0, args.model, arms=times, ratios=rat)
+        common.report(out, "e2e_speedup", base, results, t0, args.model, arms=times, ratios=rat)
         if args.predict:
             predict_tail(args, base, root, list(results))
         return
-    figures(results, args.window)
+    figures(results, args.window, out)
     gamma = config_lib.from_dict(
         config_lib.RunConfig, json.loads((base / "config.json").read_text())
     ).rollout.num_draft
@@ -376,7 +376,7 @@ def main():
         flush=True,
     )
     common.report(
-        HERE,
+        out,
         "e2e_speedup",
         base,
         results,
@@ -396,8 +396,14 @@ def predict_tail(args, base: Path, root: Path, arms: list[str]) -> None:
     JSON)."""
     from experiments.e2e_speedup import predict
 
+    m = common.MODELS[args.model]
     flags = ["--model", args.model, "--base", str(base), "--out", str(root)]
-    flags += ["--arms", ",".join(arms)]
+    flags += [
+        "--arms",
+        ",".join(arms),
+        "--results",
+        str(common.outputs(args, HERE, root) / m.results),
+    ]
     predict.main(flags + (["--runlocal"] if args.runlocal else []))
 
 

@@ -113,11 +113,13 @@ def row(res: common.ArmResult, plain: common.ArmResult, window: int) -> dict:
     }
 
 
-def figures(results: dict[str, common.ArmResult], window: int, model: str = "demo") -> None:
+def figures(
+    results: dict[str, common.ArmResult], window: int, model: str = "demo", where: Path = HERE
+) -> None:
     setting = f"{common.MODELS[model].setting}; running mean of {window} steps"
     suffix = "" if model == "demo" else f"_{model}"
     plots.lines(
-        HERE / f"accept_len{suffix}.png",
+        where / f"accept_len{suffix}.png",
         {results[n].arm.label: common.smoothed(results[n], "accept_len", window) for n in SPEC},
         "RL step",
         "accept length (tokens per verify)",
@@ -129,7 +131,7 @@ def figures(results: dict[str, common.ArmResult], window: int, model: str = "dem
         return x, common.running_mean(y, window)
 
     plots.lines(
-        HERE / f"rollout_time{suffix}.png",
+        where / f"rollout_time{suffix}.png",
         {results[n].arm.label: timing(*after_step_1(results[n], "rollout_s")) for n in ARMS},
         "RL step",
         "rollout wall time per step (s)",
@@ -137,7 +139,7 @@ def figures(results: dict[str, common.ArmResult], window: int, model: str = "dem
         size=(7, 4.5),
     )
     plots.lines(
-        HERE / f"step_time{suffix}.png",
+        where / f"step_time{suffix}.png",
         {results[n].arm.label: timing(*common.step_times(results[n])) for n in ARMS},
         "RL step",
         "wall time per RL step (s)",
@@ -162,7 +164,8 @@ def main():
     if args.costs:
         for n in SPEC:
             rows[n]["cost_model"] = pays_by_cost_model(results[n], Path(args.costs), args.window)
-    figures(results, args.window, args.model)
+    out = common.outputs(args, HERE, root)
+    figures(results, args.window, args.model, out)
     for n, r in rows.items():
         ro, st = r["rollout_s_ratio"], r["step_s_ratio"]
         if "not_compared" in ro:
@@ -181,7 +184,7 @@ def main():
             flush=True,
         )
     common.report(
-        HERE,
+        out,
         "growmtp",
         base,
         results,

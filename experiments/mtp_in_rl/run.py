@@ -77,11 +77,13 @@ def decompose(res: common.ArmResult, study1: dict, n: int = 10) -> dict:
     return row
 
 
-def figures(results: dict[str, common.ArmResult], window: int, model: str = "demo") -> None:
+def figures(
+    results: dict[str, common.ArmResult], window: int, model: str = "demo", where: Path = HERE
+) -> None:
     setting = f"{common.MODELS[model].setting}; running mean of {window} steps"
     suffix = "" if model == "demo" else f"_{model}"
     plots.lines(
-        HERE / f"accept_len{suffix}.png",
+        where / f"accept_len{suffix}.png",
         {r.arm.label: common.smoothed(r, "accept_len", window) for r in results.values()},
         "RL step",
         "accept length (tokens per verify)",
@@ -89,7 +91,7 @@ def figures(results: dict[str, common.ArmResult], window: int, model: str = "dem
         size=(7, 4.5),
     )
     plots.lines(
-        HERE / f"per_position{suffix}.png",
+        where / f"per_position{suffix}.png",
         {
             f"{r.arm.name} pos {k}": common.smoothed(r, f"accept_rate_{k}", window)
             for r in results.values()
@@ -102,7 +104,7 @@ def figures(results: dict[str, common.ArmResult], window: int, model: str = "dem
         size=(7, 4.5),
     )
     plots.lines(
-        HERE / f"entropy{suffix}.png",
+        where / f"entropy{suffix}.png",
         {r.arm.label: common.smoothed(r, "rollout_entropy", window) for r in results.values()},
         "RL step",
         "policy entropy of emitted tokens (nats)",
@@ -136,10 +138,11 @@ def main():
     results = common.study2_arms(ARMS, base, root, args, borrow=(timed,))
     study1 = json.loads(STUDY1[args.model].read_text())
     rows = {n: decompose(r, study1, args.window) for n, r in results.items()}
-    figures(results, args.window, args.model)
+    out = common.outputs(args, HERE, root)
+    figures(results, args.window, args.model, out)
     print(table(rows), flush=True)
     common.report(
-        HERE,
+        out,
         "mtp_in_rl",
         base,
         results,
