@@ -6,7 +6,8 @@ An arm lives in `<root>/<name>/` and is reused once its `rl/summary.json` exists
 directory to redo it); study scripts that name the same arm share one run. A finished arm is also
 kept in the repository (`kept_arms/<root's name>/<name>.json`: its config, records, summary and
 wall time), so that a later launch from an identical base reuses it after its run directory is
-gone: a study can be run in parts, on different days.
+gone: a study can be run in parts, on different days. Arms that start from none of the base's
+weights (SmolLM2's plain arms) need only the base's config, not a trained base.
 """
 
 from __future__ import annotations
@@ -61,12 +62,20 @@ def base_run(
     workdir = Path(workdir).absolute()
     done = (workdir / "mtp" / "summary.json").exists()
     if config_only and not done and "sft" not in stages:
-        if not (workdir / "config.json").exists():
-            from bebop import config as config_lib
+        from bebop import config as config_lib
 
-            cfg = config_lib.load(config, [f"stages={tuple(stages)!r}", *extra])[0]
+        cfg = config_lib.load(config, [f"stages={tuple(stages)!r}", *extra])[0]
+        path = workdir / "config.json"
+        new = json.loads(json.dumps(config_lib.to_dict(cfg)))
+        old = json.loads(path.read_text()) if path.exists() else None
+        if old != new:
+            if old is not None and any(workdir.glob("*/summary.json")):
+                raise SystemExit(
+                    f"{path}: a base of another config has finished stages there; "
+                    "give another --base"
+                )
             workdir.mkdir(parents=True, exist_ok=True)
-            config_lib.dump(cfg, workdir / "config.json")
+            config_lib.dump(cfg, path)
         return workdir
     if not done:
         print(f"training the base run ({', '.join(stages)}) in {workdir}", flush=True)
@@ -136,9 +145,10 @@ def kept_key(config: str, overrides, base: Path, mtp: bool = True) -> dict:
     return {"config": json.loads(resolved), "base": base_identity(base, mtp)}
 
 
-def kept_arm(keep: Path, arm: Arm, key: dict) -> ArmResult | None:
+def kept_arm(keep: Path, arm: Arm, key: dict, report: bool = False) -> ArmResult | None:
     """The arm kept in `keep` (`keep_arm`) if it ran the launch `key` (an unreadable file counts
-    as none)."""
+    as none); `report` (the arm is reported, not launched): also one kept from a trained base of
+    the config whose MTP `key`'s base has not trained (`untrained_base_match`)."""
     path = Path(keep) / f"{arm.name}.json"
     if not path.exists():
         return None
@@ -149,7 +159,7 @@ def kept_arm(keep: Path, arm: Arm, key: dict) -> ArmResult | None:
         print(f"  {arm.name}: {path} is unreadable ({e!r}); running the arm", flush=True)
         return None
     if k.get("key") != key:
-        if untrained_base_match(k.get("key"), key):
+        if report and untrained_base_match(k.get("key"), key):
             print(f"  {arm.name}: kept from a base of this config (none trained here)", flush=True)
             return result
         print(f"  {arm.name}: {path} is of another launch or base; running the arm", flush=True)
@@ -161,10 +171,10 @@ def untrained_base_match(kept: dict | None, key: dict) -> bool:
     """`kept` is the launch `key` from a base of the same config whose MTP `key`'s base has not
     trained (a base that is only its config: `base_run(config_only=True)`), so that a study
     launched for plain arms reports the arms kept from a trained base of that config."""
-    if not kept or key["base"]["mtp"] is not None or "mtp" not in key["base"]:
+    if not isinstance(kept, dict) or key["base"].get("mtp", {}) is not None:
         return False
-    unknown = {**key["base"], "mtp": kept["base"].get("mtp")}
-    return kept["config"] == key["config"] and kept["base"] == unknown
+    unknown = {**key["base"], "mtp": (kept.get("base") or {}).get("mtp")}
+    return kept.get("config") == key["config"] and kept.get("base") == unknown
 
 
 def keep_arm(keep: Path, res: ArmResult, key: dict) -> None:
@@ -198,7 +208,9 @@ def run_arm(
     `keep`: a directory where the finished arm is kept (`keep_arm`; only an arm launched here or
     one whose `arm.json` records the same key) and from which an arm is taken when its run
     directory is not of this launch but the kept one is (`kept_key`: the same resolved config,
-    from an identical base). `borrow`: other studies' kept directories whose arm of the same
+    from an identical base; an arm only reported, `launch_missing=False`, also from a trained
+    base of the same config when `base` is only its config). `borrow`: other studies' kept
+    directories whose arm of the same
     key is taken too (a study of acceptance reuses an arm a timed study ran; never the other way:
     a timed arm must have run on an otherwise idle machine). `launch_missing=False`: None
     instead of launching."""
@@ -214,7 +226,7 @@ def run_arm(
     same = saved.get("launch", run) == run and saved.get("key", key) == key
     if not (done.exists() and same):
         for kept in (keep, *borrow) if keep else ():
-            if (res := kept_arm(kept, arm, key)) is not None:
+            if (res := kept_arm(kept, arm, key, not launch_missing)) is not None:
                 print(f"  {arm.name}: kept in {kept}", flush=True)
                 return res
         if not launch_missing:
@@ -467,8 +479,11 @@ def study2_base(args, root_attr: str, names=None) -> tuple[Path, Path]:
     m = MODELS[args.model]
     local = ":runlocal" if args.runlocal else ""
     weightless = names is not None and not any(STUDY2_ARMS[n].pretrained for n in names)
-    base = base_run(Path(args.base or m.base), m.base_config + local, m.base_stages, (), weightless)
-    return base, Path(args.out or getattr(m, root_attr))
+    # a smoke run's default directories are its own (never the study's base or arms)
+    suffix = "_runlocal" if args.runlocal else ""
+    base = Path(args.base or m.base + suffix)
+    base = base_run(base, m.base_config + local, m.base_stages, (), weightless)
+    return base, Path(args.out or getattr(m, root_attr) + suffix)
 
 
 def report(

@@ -202,23 +202,11 @@ def test_wall_times_are_compared_only_between_arms_run_side_by_side():
     different days, kept from another launch) gets no ratio of times, a pair 1 h apart does."""
     from experiments.e2e_speedup.run import ratios
 
-    def arm(started, rl_s, train_s=0.0, tokens=None):
-        return dict(
-            started=started,
-            rl_s_after_step_1=rl_s,
-            step_s_median=1.0,
-            rollout_s=rl_s,
-            train_s=train_s,
-            response_tokens=tokens,
-        )
+    def arm(started, rl_s):
+        return dict(started=started, rl_s_after_step_1=rl_s, step_s_median=1.0, rollout_s=rl_s)
 
     same_day = ratios({"plain_compact": arm(0.0, 120.0), "frozen_rs_compact": arm(3600.0, 100.0)})
     assert same_day["async_compact"]["rl_s_after_step_1"] == pytest.approx(1.2)
-    assert "learner_s_per_token" not in same_day["async_compact"]  # no learner figures
-    # the learner's time per token (the same work in both arms) shows the machine's drift:
-    # 60 s for 1,000 tokens vs 40 s for 800 -> 0.06 / 0.05
-    drift = ratios({"plain": arm(0.0, 9.0, 60.0, 1000), "plain_compact": arm(1.0, 9.0, 40.0, 800)})
-    assert drift["compact_vs_static_plain"]["learner_s_per_token"] == pytest.approx(1.2)
     apart = ratios({"plain_compact": arm(0.0, 120.0), "frozen_rs_compact": arm(13 * 3600.0, 100.0)})
     assert "rl_s_after_step_1" not in apart["async_compact"]
     assert "13 h apart" in apart["async_compact"]["not_compared"]

@@ -132,6 +132,8 @@ def test_a_kept_arm_outlives_its_run_directory_only_for_an_identical_base(tmp_pa
     assert arm_of(untrained, ("rl.steps=3",), launch_missing=False).summary == {"n": 4}
     (untrained / "config.json").write_text(json.dumps({"seed": 1}))
     assert arm_of(untrained, ("rl.steps=3",), launch_missing=False) is None
+    (untrained / "config.json").write_text(json.dumps({"seed": 0}))
+    assert arm_of(untrained, ("rl.steps=3",)).summary == {"n": 5}  # launched: not taken
     # an arm that never drafts with the base's MTP does not depend on how the MTP trained
     plain = common.Arm("plain", "plain", ("rollout.mode='plain'",), pretrained=False)
     common.run_arm(plain, make_base(0.25), out, "configs/rl_smollm2.py", (), keep)
@@ -225,12 +227,15 @@ def test_predict_takes_kept_arms_of_the_same_base_only(tmp_path, monkeypatch):
 
 def test_plain_arms_of_a_model_without_sft_need_no_trained_base(tmp_path, monkeypatch):
     """experiments.common.study2_base: SmolLM2's plain arms start from the checkpoint's policy,
-    so the base is only its config (written as launch.py writes it: the later base launch's
-    config.json must equal it, or kept plain arms would not match); an arm that drafts with the
-    base's MTP trains the base; the demo (an SFT stage) always trains it."""
+    so the base is only its config, written so that the base's own launch later finds it equal
+    (else kept plain arms would not match); a stale config.json is replaced, or refused where a
+    base of it has finished stages; an arm that drafts with the base's MTP trains the base; the
+    demo (an SFT stage) always trains it; a smoke run's default base is its own."""
     import argparse
     import json
+    from pathlib import Path
 
+    import launch
     from bebop import config as config_lib
     from experiments import common
 
@@ -240,14 +245,28 @@ def test_plain_arms_of_a_model_without_sft_need_no_trained_base(tmp_path, monkey
     base, _ = common.study2_base(args, "timed_root", ["plain_compact", "plain"])
     assert not launched and base == (tmp_path / "b").absolute()
     cfg = config_lib.load("configs/mtp_smollm2.py", ["stages=('distill', 'mtp')"])[0]
-    written = json.loads((base / "config.json").read_text())
-    assert written == json.loads(json.dumps(config_lib.to_dict(cfg)))  # as launch.py compares
-    assert written["stages"] == ["distill", "mtp"]
+    launch.update_config_json(cfg, base)  # what the base's launch does when it finishes
+    assert sorted(p.name for p in base.iterdir()) == ["config.json"]  # equal: nothing renamed
+    assert json.loads((base / "config.json").read_text())["stages"] == ["distill", "mtp"]
+    (base / "config.json").write_text('{"stale": 1}')
+    common.study2_base(args, "timed_root", ["plain"])
+    assert json.loads((base / "config.json").read_text())["stages"] == ["distill", "mtp"]
+    (base / "config.json").write_text('{"stale": 1}')
+    (base / "distill").mkdir()
+    (base / "distill" / "summary.json").write_text("{}")
+    with pytest.raises(SystemExit, match="config.json: a base of another config"):
+        common.study2_base(args, "timed_root", ["plain"])
+    (base / "distill" / "summary.json").unlink()
     common.study2_base(args, "timed_root", ["plain_compact", "frozen_rs_compact"])
     assert launched == [("configs/mtp_smollm2.py", base)]
     demo = argparse.Namespace(model="demo", base=str(tmp_path / "d"), out=None, runlocal=False)
     common.study2_base(demo, "timed_root", ["plain"])
     assert launched[-1] == ("configs/demo.py", (tmp_path / "d").absolute())
+    smoke = argparse.Namespace(model="smollm2", base=None, out=None, runlocal=True)
+    smoke_base, smoke_root = common.study2_base(smoke, "timed_root", ["frozen_rs_compact"])
+    assert launched[-1] == ("configs/mtp_smollm2.py:runlocal", smoke_base)
+    assert smoke_base == Path("runs/mtp_smollm2_runlocal").absolute()
+    assert str(smoke_root) == "runs/exp_rl_speed_smollm2_runlocal"
 
 
 def test_a_smoke_run_never_replaces_a_studys_results(tmp_path):

@@ -25,7 +25,8 @@ synchronous plain run's measured split of step time (Amdahl).
 
 `--model smollm2`: the RL task of `configs/rl_smollm2.py` (40 GRPO steps of 4 prompts x 8,
 T = 0.7, γ = 3, greedy accuracy every 10 steps) from one run of the recipe's MTP
-(`configs/mtp_smollm2.py`, trained in `--base` first if absent), three asynchronous arms --
+(`configs/mtp_smollm2.py`, trained in `--base` first if absent; plain arms alone need only its
+config), three asynchronous arms --
 plain static, plain tail-aware, speculative tail-aware with the derived draft table (frozen MTP,
 RS) -- and with `--sync` their synchronous twins. Per arm (`results_smollm2.json`, written as
 each arm finishes; a later launch reuses finished arms, so the study can run in parts): RL time
@@ -38,7 +39,9 @@ settings.
 
 Arms land in `OUT/<arm>/` (`--out OUT`; default `runs/exp_rl_speed`, shared with
 `experiments.growmtp`; run both on an otherwise idle machine, one after the other: their wall
-times are compared); figures and `results.json` next to this file. Last line: one JSON object.
+times are compared); figures and `results.json` next to this file (`--runlocal` / `--set`:
+under `<out>/results/`; a smoke run's default base and arm directories end in `_runlocal`).
+Last line: one JSON object.
 """
 
 from __future__ import annotations
@@ -141,11 +144,6 @@ def ratios(t: dict) -> dict:
         out[name] = {
             k: t[a][k] / t[b][k] for k in ("rl_s_after_step_1", "step_s_median", "rollout_s")
         }
-        # the learner's seconds per response token: the same work in both arms, so its ratio
-        # is how far the machine's speed moved between them (1 when nothing did)
-        per_token = [t[n].get("train_s", 0) / (t[n].get("response_tokens") or 1) for n in (a, b)]
-        if all(per_token):
-            out[name]["learner_s_per_token"] = per_token[0] / per_token[1]
     return out
 
 

@@ -19,7 +19,7 @@ RL stage's timed plain-vs-speculative rollouts of its final weights).
 
 Arms land in `runs/exp_rl_speed/<arm>/` (shared with `experiments/e2e_speedup`: run both on an
 otherwise idle machine, their wall times are compared); figures and `results.json` next to this
-file. Last line: one JSON object.
+file (`--runlocal` / `--set`: under `<out>/results/`). Last line: one JSON object.
 """
 
 from __future__ import annotations

@@ -16,8 +16,10 @@ times the entropy change -- and the rest (Bebop §5.1).
 `--base` is a finished demo run (its `sft` and `mtp` stages; trained there if absent). Arms land
 in `runs/exp_mtp_in_rl/<arm>/` and are reused when finished. `--model smollm2`: the RL task of
 `configs/rl_smollm2.py` from one run of the recipe's MTP (`common.MODELS`), arms in
-`runs/exp_mtp_in_rl_smollm2/`, results in `results_smollm2.json`, figures `*_smollm2.png`.
-Figures and `results.json` land next to this file. Last line: one JSON object.
+`runs/exp_mtp_in_rl_smollm2/`, results in `results_smollm2.json`, figures `*_smollm2.png`. An
+arm a timed study kept from the same launch (`frozen_rs`, by `experiments.growmtp`) is taken
+from its kept JSON (no run directory here). Figures and `results.json` land next to this file
+(`--runlocal` / `--set`: under `<out>/results/`). Last line: one JSON object.
 """
 
 from __future__ import annotations
