@@ -210,10 +210,9 @@ def run_arm(
     directory is not of this launch but the kept one is (`kept_key`: the same resolved config,
     from an identical base; an arm only reported, `launch_missing=False`, also from a trained
     base of the same config when `base` is only its config). `borrow`: other studies' kept
-    directories whose arm of the same
-    key is taken too (a study of acceptance reuses an arm a timed study ran; never the other way:
-    a timed arm must have run on an otherwise idle machine). `launch_missing=False`: None
-    instead of launching."""
+    directories whose arm of the same key is taken too (a study of acceptance reuses an arm a
+    timed study ran; never the other way: a timed arm must have run on an otherwise idle
+    machine). `launch_missing=False`: None instead of launching."""
     wd = Path(root).absolute() / arm.name
     done, record = wd / "rl" / "summary.json", wd / "arm.json"
     base = Path(base).absolute()
