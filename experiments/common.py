@@ -470,6 +470,25 @@ def study2_parser(root: str) -> argparse.ArgumentParser:
     return ap
 
 
+def add_arms_flag(ap: argparse.ArgumentParser) -> None:
+    """`--arms`: which of a study's arms to run (`chosen_arms`)."""
+    ap.add_argument(
+        "--arms", default="", help="comma-separated arms to run, in this order (default: all)"
+    )
+
+
+def chosen_arms(ap: argparse.ArgumentParser, args, known) -> tuple[str, ...]:
+    """The arms `--arms` names (all of `known` when empty); an arm not in `known` is a usage
+    error naming the study's arms."""
+    if not args.arms:
+        return tuple(known)
+    names = tuple(args.arms.split(","))
+    unknown = sorted(set(names) - set(known))
+    if unknown or len(set(names)) < len(names):
+        ap.error(f"--arms: {unknown or args.arms} (the study's arms: {', '.join(known)})")
+    return names
+
+
 def study2_base(args, root_attr: str, names=None) -> tuple[Path, Path]:
     """(base run, trained first if needed; the arms' directory) of parsed `study2_parser`
     flags; `root_attr`: the `Model` field of the default arm directory; `names`: the arms to run

@@ -283,3 +283,47 @@ def test_a_smoke_run_never_replaces_a_studys_results(tmp_path):
     assert common.outputs(smoke, here, root) == root / "results" and (root / "results").is_dir()
     other = argparse.Namespace(runlocal=False, set=["rl.steps=3"])
     assert common.outputs(other, here, root) == root / "results"
+
+
+def test_arms_flag_runs_a_studys_arms_in_the_given_order_and_names_unknown_ones(capsys):
+    """experiments.common.chosen_arms: `--arms` picks arms in its order (all when absent); an
+    unknown or repeated arm is a usage error that lists the study's arms."""
+    import argparse
+
+    from experiments import common
+
+    ap = argparse.ArgumentParser()
+    common.add_arms_flag(ap)
+    known = ("plain", "grow_scratch", "frozen_rs")
+    assert common.chosen_arms(ap, ap.parse_args([]), known) == known
+    picked = common.chosen_arms(ap, ap.parse_args(["--arms", "grow_scratch,plain"]), known)
+    assert picked == ("grow_scratch", "plain")
+    for bad in ("grow,plain", "plain,plain"):
+        with pytest.raises(SystemExit):
+            common.chosen_arms(ap, ap.parse_args(["--arms", bad]), known)
+        assert "plain, grow_scratch, frozen_rs" in capsys.readouterr().err
+
+
+def test_growmtp_reports_a_head_before_its_plain_arm_ran():
+    """experiments.growmtp.run.row: without a plain arm the times are not compared, the
+    acceptance still is."""
+    from experiments import common
+    from experiments.growmtp.run import row
+
+    recs = [
+        {
+            "step": s,
+            "time": 10.0 * s,
+            "rollout_s": 4.0,
+            "accept_len": 1.0 + s / 10,
+            "reward_mean": 0.5,
+        }
+        for s in range(1, 13)
+    ]
+    arm = common.ArmResult(common.Arm("grow", "grow"), {"accuracy_after": 0.5}, recs, None)
+    r = row(arm, None, window=5)
+    assert (
+        r["step_s_ratio"] == r["rollout_s_ratio"] == {"not_compared": "the plain arm has not run"}
+    )
+    assert r["accept_len_first"] == pytest.approx(1.1)
+    assert r["accept_len_last10"] == pytest.approx(2.0)  # steps 8..12

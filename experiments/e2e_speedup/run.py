@@ -304,17 +304,13 @@ def main():
     ap = common.study2_parser(common.TIMED_ROOT)
     ap.add_argument("--sync", action="store_true", help="smollm2: also the synchronous twins")
     ap.add_argument("--predict", action="store_true", help="then predict on the arms")
-    ap.add_argument(
-        "--arms", default="", help="smollm2: comma-separated, in this order (default: all)"
-    )
+    common.add_arms_flag(ap)
     args = ap.parse_args()
     names = ARMS if args.model == "demo" else SMOLLM2_ARMS + (SMOLLM2_SYNC if args.sync else ())
     if args.arms:
-        known = SMOLLM2_ARMS + SMOLLM2_SYNC
-        unknown = set(args.arms.split(",")) - set(known)
-        if args.model == "demo" or unknown:
-            ap.error(f"--arms: {sorted(unknown) or args.arms} (smollm2's arms: {', '.join(known)})")
-        names = tuple(args.arms.split(","))
+        if args.model == "demo":
+            ap.error("--arms: the demo runs all its arms (--arms is for --model smollm2)")
+        names = common.chosen_arms(ap, args, SMOLLM2_ARMS + SMOLLM2_SYNC)
     t0 = time.perf_counter()
     # plain arms alone (without --predict, which times the MTP) need no trained base
     base, root = common.study2_base(args, "timed_root", None if args.predict else names)

@@ -11,11 +11,13 @@ RL stage's timed plain-vs-speculative rollouts of its final weights).
 
     python -m experiments.growmtp.run --base runs/demo
     python -m experiments.growmtp.run --model smollm2 --base runs/mtp_smollm2 \
-        [--costs experiments/e2e_speedup/results_smollm2.json]
+        [--arms plain,grow_scratch] [--costs experiments/e2e_speedup/results_smollm2.json]
 
 `--model smollm2`: the RL task of `configs/rl_smollm2.py` from one run of the recipe's MTP
 (`common.MODELS`; its static arms with `rollout.compact=False`), arms in
 `runs/exp_rl_speed_smollm2/`, results in `results_smollm2.json`, figures `*_smollm2.png`.
+`--arms`: run only these (the others enter the results where finished or kept); the arms that
+never draft with the base's MTP (plain, grow_scratch) need no trained SmolLM2 base.
 
 Arms land in `runs/exp_rl_speed/<arm>/` (shared with `experiments/e2e_speedup`: run both on an
 otherwise idle machine, their wall times are compared); figures and `results.json` next to this
@@ -87,9 +89,13 @@ def pays_by_cost_model(res: common.ArmResult, costs_file: Path, window: int) -> 
     return {"break_even_accept_len": need, "batch": batch, "gamma": gamma, "pays_from_step": first}
 
 
-def row(res: common.ArmResult, plain: common.ArmResult, window: int) -> dict:
-    apart = common.hours_apart(res, plain)
-    if apart is None:
+def row(res: common.ArmResult, plain: common.ArmResult | None, window: int) -> dict:
+    """A speculative arm's acceptance and reward, and its times over the plain arm's where the
+    plain arm ran beside it (`None`: not run yet, times not compared)."""
+    apart = None if plain is None else common.hours_apart(res, plain)
+    if plain is None:
+        roll = wall = {"not_compared": "the plain arm has not run"}
+    elif apart is None:
         roll = ratio_vs_plain(
             *after_step_1(res, "rollout_s"), *after_step_1(plain, "rollout_s"), window
         )
@@ -118,21 +124,23 @@ def figures(
 ) -> None:
     setting = f"{common.MODELS[model].setting}; running mean of {window} steps"
     suffix = "" if model == "demo" else f"_{model}"
-    plots.lines(
-        where / f"accept_len{suffix}.png",
-        {results[n].arm.label: common.smoothed(results[n], "accept_len", window) for n in SPEC},
-        "RL step",
-        "accept length (tokens per verify)",
-        f"GrowMTP vs a pre-trained MTP\n({setting})",
-        size=(7, 4.5),
-    )
+    spec = [n for n in SPEC if n in results]
+    if spec:
+        plots.lines(
+            where / f"accept_len{suffix}.png",
+            {results[n].arm.label: common.smoothed(results[n], "accept_len", window) for n in spec},
+            "RL step",
+            "accept length (tokens per verify)",
+            f"GrowMTP vs a pre-trained MTP\n({setting})",
+            size=(7, 4.5),
+        )
 
     def timing(x, y):
         return x, common.running_mean(y, window)
 
     plots.lines(
         where / f"rollout_time{suffix}.png",
-        {results[n].arm.label: timing(*after_step_1(results[n], "rollout_s")) for n in ARMS},
+        {results[n].arm.label: timing(*after_step_1(results[n], "rollout_s")) for n in results},
         "RL step",
         "rollout wall time per step (s)",
         f"rollout time vs plain decoding\n({setting})",
@@ -140,7 +148,7 @@ def figures(
     )
     plots.lines(
         where / f"step_time{suffix}.png",
-        {results[n].arm.label: timing(*common.step_times(results[n])) for n in ARMS},
+        {results[n].arm.label: timing(*common.step_times(results[n])) for n in results},
         "RL step",
         "wall time per RL step (s)",
         f"RL step time vs plain decoding\n({setting})",
@@ -156,13 +164,20 @@ def main():
         help="a results file with experiments.e2e_speedup.predict's measured costs: the step "
         "from which each head pays by the cost model",
     )
+    common.add_arms_flag(ap)
     args = ap.parse_args()
+    names = common.chosen_arms(ap, args, ARMS)
     t0 = time.perf_counter()
-    base, root = common.study2_base(args, "timed_root")
-    results = common.study2_arms(ARMS, base, root, args)
-    rows = {n: row(results[n], results["plain"], args.window) for n in SPEC}
+    # arms that never draft with the base's MTP (plain, grow_scratch) need no trained base
+    # on a model without an SFT stage
+    base, root = common.study2_base(args, "timed_root", names)
+    results = common.study2_arms(names, base, root, args)
+    # the study's other arms that are finished or kept (no launch)
+    results.update(common.study2_arms([n for n in ARMS if n not in names], base, root, args, False))
+    results = {n: results[n] for n in ARMS if n in results}
+    rows = {n: row(results[n], results.get("plain"), args.window) for n in SPEC if n in results}
     if args.costs:
-        for n in SPEC:
+        for n in rows:
             rows[n]["cost_model"] = pays_by_cost_model(results[n], Path(args.costs), args.window)
     out = common.outputs(args, HERE, root)
     figures(results, args.window, args.model, out)

@@ -11,14 +11,15 @@ entropy change explains -- study 1's per-token fit of acceptance on entropy
 times the entropy change -- and the rest (Bebop §5.1).
 
     python -m experiments.mtp_in_rl.run --base runs/demo
-    python -m experiments.mtp_in_rl.run --model smollm2 --base runs/mtp_smollm2
+    python -m experiments.mtp_in_rl.run --model smollm2 --base runs/mtp_smollm2 [--arms online_ce]
 
 `--base` is a finished demo run (its `sft` and `mtp` stages; trained there if absent). Arms land
 in `runs/exp_mtp_in_rl/<arm>/` and are reused when finished. `--model smollm2`: the RL task of
 `configs/rl_smollm2.py` from one run of the recipe's MTP (`common.MODELS`), arms in
 `runs/exp_mtp_in_rl_smollm2/`, results in `results_smollm2.json`, figures `*_smollm2.png`. An
 arm a timed study kept from the same launch (`frozen_rs`, by `experiments.growmtp`) is taken
-from its kept JSON (no run directory here). Figures and `results.json` land next to this file
+from its kept JSON (no run directory here). `--arms`: run only these (the others enter the
+results where finished or kept). Figures and `results.json` land next to this file
 (`--runlocal` / `--set`: under `<out>/results/`). Last line: one JSON object.
 """
 
@@ -132,12 +133,19 @@ def table(rows: dict) -> str:
 
 
 def main():
-    args = common.study2_parser(common.STUDY2_ROOT).parse_args()
+    ap = common.study2_parser(common.STUDY2_ROOT)
+    common.add_arms_flag(ap)
+    args = ap.parse_args()
+    names = common.chosen_arms(ap, args, ARMS)
     t0 = time.perf_counter()
-    base, root = common.study2_base(args, "study2_root")
+    base, root = common.study2_base(args, "study2_root", names)
     # an arm the timed studies ran (e.g. frozen_rs in growmtp) is the same run: taken from them
     timed = common.kept_dir(common.MODELS[args.model].timed_root)
-    results = common.study2_arms(ARMS, base, root, args, borrow=(timed,))
+    results = common.study2_arms(names, base, root, args, borrow=(timed,))
+    # the study's other arms that are finished or kept (no launch)
+    rest = [n for n in ARMS if n not in names]
+    results.update(common.study2_arms(rest, base, root, args, False, borrow=(timed,)))
+    results = {n: results[n] for n in ARMS if n in results}
     study1 = json.loads(STUDY1[args.model].read_text())
     rows = {n: decompose(r, study1, args.window) for n, r in results.items()}
     out = common.outputs(args, HERE, root)
