@@ -43,7 +43,8 @@ def predicted_at(alphas, gamma: int, costs: dict) -> dict:
 def load_models(args, mesh):
     """(policy, mtp, draft vocabulary, tokenizer, prompt ids, mtp source) of `args.model`:
     `demo` (the finished run `args.run`), `random` (`args.shape`, `args.layers`) or `smollm2`
-    (`args.config`'s task, `args.mtp_ckpt`'s MTP if given)."""
+    (`args.config`'s task, `args.mtp_ckpt`'s MTP if given, else random weights of the shape of
+    `args.mtp_shape`, an `mtp` section, if given: its costs are a trained one's)."""
     if args.model == "demo":
         wd = Path(args.run)
         cfg = config_lib.from_dict(
@@ -75,6 +76,15 @@ def load_models(args, mesh):
     pol_gd, pol_params, tok, pol_cfg = policy.graphdef, policy.params, policy.tok, policy.cfg
     mtp_gd, mtp_params = mtp_lib.init(pol_cfg, 1, seed=0)
     source, vocab = "random init", None
+    shape = getattr(args, "mtp_shape", None)  # an `mtp` section: random weights of its shape
+    if shape is not None and not args.mtp_ckpt:
+        mtp_gd, mtp_params = mtp_lib.init(pol_cfg, shape.num_layers, 0, shape.features, shape.depth)
+        vocab = np.arange(shape.draft_vocab, dtype=np.int32) if shape.draft_vocab else None
+        source = (
+            f"random init of the mtp section's shape ({shape.num_layers} layer(s), depth "
+            f"{shape.depth}, features {tuple(shape.features)}, draft vocabulary "
+            f"{shape.draft_vocab or 'full'})"
+        )
     if args.mtp_ckpt:  # DIR/mtp/ckpt; the draft vocabulary, if any, is DIR/mtp/draft_vocab.npy
         mtp_cfg = trained_mtp_config(Path(args.mtp_ckpt), cfg.mtp)
         mtp_gd, mtp_params, vocab = policies.load_mtp(mtp_cfg, Path(args.mtp_ckpt), pol_cfg, mesh)

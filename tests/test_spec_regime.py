@@ -197,7 +197,8 @@ def test_a_run_directory_of_another_launch_does_not_hide_a_kept_arm(tmp_path, mo
 
 def test_predict_takes_kept_arms_of_the_same_base_only(tmp_path, monkeypatch):
     """experiments.e2e_speedup.predict: by default it predicts the kept arms that ran from a base
-    identical to the one it measures, and refuses by name an arm kept from another base."""
+    identical to the one it measures, and refuses by name an arm kept from another base; a base
+    whose MTP has not trained takes the arms kept from trained bases of its config."""
     import json
 
     import pytest
@@ -223,6 +224,13 @@ def test_predict_takes_kept_arms_of_the_same_base_only(tmp_path, monkeypatch):
     assert predict.arm_run(root, "plain", same) == ({"n": "plain"}, [])
     with pytest.raises(SystemExit, match="'spec'.*another base"):
         predict.arm_run(root, "spec", same)
+    # a base that is only its config (MTP not trained here) takes the arms of its config only
+    bare = tmp_path / "c"
+    bare.mkdir()
+    (bare / "config.json").write_text("{}")
+    assert predict.kept_of(root, bare) == ["plain", "spec"]
+    (bare / "config.json").write_text('{"seed": 1}')
+    assert predict.kept_of(root, bare) == []
 
 
 def test_plain_arms_of_a_model_without_sft_need_no_trained_base(tmp_path, monkeypatch):

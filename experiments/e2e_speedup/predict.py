@@ -97,28 +97,39 @@ class Setup:
     scfg: sampling.SamplingConfig
     toks: np.ndarray  # batch 0's prompts, as the RL run places them
     lens: np.ndarray
+    mtp_source: str  # the MTP timed (a checkpoint, or random weights of its shape)
 
 
 def load(base: Path, model_name: str, config: str) -> Setup:
     """The base run's policy and MTP (`benchmarks.common.load_models`) and the RL batch's
-    prompts (`rl.rollouts.Rollouts`: batch 0, padded to the run's width)."""
+    prompts (`rl.rollouts.Rollouts`: batch 0, padded to the run's width). A base whose MTP has
+    not trained here (SmolLM2's base as only its config: `common.base_run(config_only=True)`)
+    times random weights of its `mtp` section's shape -- layers, depth, features and draft
+    vocabulary size: the loops' seconds do not depend on the weights' values (EOS is off)."""
     mesh = sharding.make_mesh(config_lib.MeshConfig(data=1), jax.devices()[:1])
     cfg = config_lib.load(str(common.REPO / config))[0]
+    ckpt = base / "mtp" / "ckpt"
+    shape = None
+    if model_name != "demo" and not ckpt.exists():
+        saved = json.loads((base / "config.json").read_text())
+        shape = config_lib.from_dict(config_lib.RunConfig, saved).mtp
     ns = argparse.Namespace(
         model=model_name,
         run=str(base),
         config=config,
-        mtp_ckpt=str(base / "mtp" / "ckpt"),
+        mtp_ckpt="" if shape is not None else str(ckpt),
+        mtp_shape=shape,
         num_prompts=1,
         prompts="task",
     )
-    pol, mtp, vocab, tok, _, _ = load_models(ns, mesh)
+    pol, mtp, vocab, tok, _, source = load_models(ns, mesh)
+    print(f"MTP timed: {source}", flush=True)
     vocab = None if vocab is None else jnp.asarray(vocab)
     src = rl_rollouts.Rollouts(cfg, pol[0], mtp[0], tok, tasks.make_task(cfg.task), vocab=vocab)
     _, ids = src.prompts(0)
     toks, lens = src.place(ids)
     layers = model.decode_layers_jit(*pol)
-    return Setup(cfg, pol, mtp, vocab, layers, src.scfg, np.asarray(toks), np.asarray(lens))
+    return Setup(cfg, pol, mtp, vocab, layers, src.scfg, np.asarray(toks), np.asarray(lens), source)
 
 
 def loop_costs(s: Setup, repeats: int) -> dict:
@@ -244,6 +255,7 @@ def measure(base: Path, model_name: str, config: str, repeats: int) -> dict:
     over = contention(plain, step, repeats)
     return {
         "machine": f"{jax.devices()[0].platform}, {jax.device_count()} device(s)",
+        "mtp": s.mtp_source,
         "batch": int(s.toks.shape[0]),
         "prompt_width": int(s.toks.shape[1]),
         "budget": s.scfg.max_new_tokens,
@@ -307,9 +319,12 @@ def arm_steps(records: list[dict], spec: costs.ArmSpec, derived: bool, learner_s
 
 def same_base(kept: dict, base: Path) -> bool:
     """Whether a kept arm ran from a base identical to `base` (`common.base_identity`; an arm
-    that never drafted with the base's MTP does not depend on it)."""
+    that never drafted with the base's MTP does not depend on it), or from a trained base of the
+    config of `base` whose MTP has not trained here (its costs are timed on random weights of
+    the same shape, `load`)."""
     have = kept.get("key", {}).get("base") or {}
-    return have == common.base_identity(base, have.get("mtp") is not None)
+    here = common.base_identity(base, have.get("mtp") is not None)
+    return have == (dict(here, mtp=have.get("mtp")) if here["mtp"] is None else here)
 
 
 def kept_of(root: Path, base: Path) -> list[str]:
