@@ -312,8 +312,9 @@ def main():
             ap.error("--arms: the demo runs all its arms (--arms is for --model smollm2)")
         names = common.chosen_arms(ap, args, SMOLLM2_ARMS + SMOLLM2_SYNC)
     t0 = time.perf_counter()
-    # plain arms alone (without --predict, which times the MTP) need no trained base
-    base, root = common.study2_base(args, "timed_root", None if args.predict else names)
+    # plain arms alone need no trained base (--predict then times random weights of the MTP's
+    # shape: predict.load)
+    base, root = common.study2_base(args, "timed_root", names)
     results = run_arms(names, base, root, args)
     if args.model != "demo":  # the study's other arms that are finished or kept (no launch)
         every = SMOLLM2_ARMS + SMOLLM2_SYNC
