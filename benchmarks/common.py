@@ -74,23 +74,36 @@ def load_models(args, mesh):
     cfg = with_dtype(cfg, getattr(args, "dtype", ""))
     policy = policies.load(cfg.policy, cfg.model, Path("."), mesh)
     pol_gd, pol_params, tok, pol_cfg = policy.graphdef, policy.params, policy.tok, policy.cfg
-    mtp_gd, mtp_params = mtp_lib.init(pol_cfg, 1, seed=0)
-    source, vocab = "random init", None
     shape = getattr(args, "mtp_shape", None)  # an `mtp` section: random weights of its shape
-    if shape is not None and not args.mtp_ckpt:
-        mtp_gd, mtp_params = mtp_lib.init(pol_cfg, shape.num_layers, 0, shape.features, shape.depth)
-        vocab = np.arange(shape.draft_vocab, dtype=np.int32) if shape.draft_vocab else None
+    if args.mtp_ckpt:  # DIR/mtp/ckpt; the draft vocabulary, if any, is DIR/mtp/draft_vocab.npy
+        mtp_cfg = trained_mtp_config(Path(args.mtp_ckpt), cfg.mtp)
+        mtp_gd, mtp_params, vocab = policies.load_mtp(mtp_cfg, Path(args.mtp_ckpt), pol_cfg, mesh)
+        source = args.mtp_ckpt
+    elif shape is not None:
+        mtp_gd, mtp_params, vocab = shaped_mtp(shape, pol_cfg)
         source = (
             f"random init of the mtp section's shape ({shape.num_layers} layer(s), depth "
             f"{shape.depth}, features {tuple(shape.features)}, draft vocabulary "
             f"{shape.draft_vocab or 'full'})"
         )
-    if args.mtp_ckpt:  # DIR/mtp/ckpt; the draft vocabulary, if any, is DIR/mtp/draft_vocab.npy
-        mtp_cfg = trained_mtp_config(Path(args.mtp_ckpt), cfg.mtp)
-        mtp_gd, mtp_params, vocab = policies.load_mtp(mtp_cfg, Path(args.mtp_ckpt), pol_cfg, mesh)
-        source = args.mtp_ckpt
+    else:
+        (mtp_gd, mtp_params), vocab, source = mtp_lib.init(pol_cfg, 1, seed=0), None, "random init"
     ids = prompts.prompt_ids(cfg.task, cfg.seed, tok, args.num_prompts, "bench", args.prompts)
     return (pol_gd, pol_params), (mtp_gd, mtp_params), vocab, tok, ids, source
+
+
+def shaped_mtp(shape: config_lib.MTPConfig, pol_cfg):
+    """(graphdef, params, draft vocabulary or None) of a random MTP of the `mtp` section
+    `shape` (layers, features, depth) on the policy `pol_cfg`, with a draft vocabulary of its
+    `draft_vocab` size (the first ids): what a trained one of that section costs to run."""
+    if shape.draft_vocab > pol_cfg.vocab_size:
+        raise ValueError(
+            f"mtp.draft_vocab = {shape.draft_vocab} exceeds the policy's vocabulary "
+            f"({pol_cfg.vocab_size} tokens)"
+        )
+    gd, params = mtp_lib.init(pol_cfg, shape.num_layers, 0, shape.features, shape.depth)
+    vocab = np.arange(shape.draft_vocab, dtype=np.int32) if shape.draft_vocab else None
+    return gd, params, vocab
 
 
 def trained_mtp_config(ckpt: Path, fallback: config_lib.MTPConfig) -> config_lib.MTPConfig:

@@ -110,6 +110,8 @@ class ArmResult:
     records: list[dict]
     wall_s: float | None  # the launch's wall time (from `arm.json` when reused; None: unknown)
     config: dict = dataclasses.field(default_factory=dict)  # the arm's `config.json`
+    # the outcome of the pre-RL MTP training the arm drafted with (`base_identity`; None: none)
+    mtp: dict | None = None
 
     def series(self, key: str):
         return plots.series(self.records, key)
@@ -154,7 +156,8 @@ def kept_arm(keep: Path, arm: Arm, key: dict, report: bool = False) -> ArmResult
         return None
     try:
         k = json.loads(path.read_text())
-        result = ArmResult(arm, k["summary"], k["records"], k["wall_s"], k["config"])
+        mtp = ((k.get("key") or {}).get("base") or {}).get("mtp")
+        result = ArmResult(arm, k["summary"], k["records"], k["wall_s"], k["config"], mtp)
     except (ValueError, KeyError) as e:
         print(f"  {arm.name}: {path} is unreadable ({e!r}); running the arm", flush=True)
         return None
@@ -247,7 +250,8 @@ def run_arm(
         print(f"  {arm.name}: {wall:.0f} s", flush=True)
     summary = json.loads(done.read_text())
     cfg = json.loads((wd / "config.json").read_text()) if (wd / "config.json").exists() else {}
-    res = ArmResult(arm, summary, plots.read_metrics(wd / "rl" / "metrics.jsonl"), wall, cfg)
+    mtp = base_identity(base, arm.pretrained)["mtp"]
+    res = ArmResult(arm, summary, plots.read_metrics(wd / "rl" / "metrics.jsonl"), wall, cfg, mtp)
     if keep and saved.get("key") == key:
         keep_arm(keep, res, key)
     return res
@@ -437,6 +441,21 @@ def study2_arms(
     return {n: r for n, r in out.items() if r is not None}
 
 
+def one_pre_rl_mtp(results: dict[str, ArmResult]) -> None:
+    """Arms compared in one study drafted with one pre-RL MTP: arms reported beside a base that
+    is only its config may come from different trained bases of that config (`kept_arm`), which
+    is refused here, naming the arms and their MTPs' outcomes."""
+    seen: dict[str, list[str]] = {}
+    for n, r in results.items():
+        if r.mtp is not None:
+            seen.setdefault(json.dumps(r.mtp, sort_keys=True), []).append(n)
+    if len(seen) > 1:
+        which = "; ".join(f"{', '.join(v)}: {k}" for k, v in seen.items())
+        raise SystemExit(
+            f"the arms drafted with different pre-RL MTPs ({which}): run them again from one base"
+        )
+
+
 def outputs(args, here: Path, root: Path) -> Path:
     """Where a study-2 script writes its results file and figures: the study's directory `here`
     for its own setting; a smoke or `--set` run writes to `root/results/` (it never replaces
@@ -478,14 +497,16 @@ def add_arms_flag(ap: argparse.ArgumentParser) -> None:
 
 
 def chosen_arms(ap: argparse.ArgumentParser, args, known) -> tuple[str, ...]:
-    """The arms `--arms` names (all of `known` when empty); an arm not in `known` is a usage
-    error naming the study's arms."""
+    """The arms `--arms` names (all of `known` when empty); an arm not in `known`, or named
+    twice, is a usage error naming it and the study's arms."""
     if not args.arms:
         return tuple(known)
     names = tuple(args.arms.split(","))
     unknown = sorted(set(names) - set(known))
-    if unknown or len(set(names)) < len(names):
-        ap.error(f"--arms: {unknown or args.arms} (the study's arms: {', '.join(known)})")
+    repeated = sorted({n for n in names if names.count(n) > 1})
+    if unknown or repeated:
+        what = f"unknown {unknown}" if unknown else f"repeated {repeated}"
+        ap.error(f"--arms: {what} (the study's arms: {', '.join(known)})")
     return names
 
 

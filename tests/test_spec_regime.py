@@ -306,10 +306,11 @@ def test_arms_flag_runs_a_studys_arms_in_the_given_order_and_names_unknown_ones(
     assert common.chosen_arms(ap, ap.parse_args([]), known) == known
     picked = common.chosen_arms(ap, ap.parse_args(["--arms", "grow_scratch,plain"]), known)
     assert picked == ("grow_scratch", "plain")
-    for bad in ("grow,plain", "plain,plain"):
+    for bad, why in (("grow,plain", "unknown ['grow']"), ("plain,plain", "repeated ['plain']")):
         with pytest.raises(SystemExit):
             common.chosen_arms(ap, ap.parse_args(["--arms", bad]), known)
-        assert "plain, grow_scratch, frozen_rs" in capsys.readouterr().err
+        err = capsys.readouterr().err
+        assert why in err and "plain, grow_scratch, frozen_rs" in err
 
 
 def test_growmtp_reports_a_head_before_its_plain_arm_ran():
@@ -335,3 +336,51 @@ def test_growmtp_reports_a_head_before_its_plain_arm_ran():
     )
     assert r["accept_len_first"] == pytest.approx(1.1)
     assert r["accept_len_last10"] == pytest.approx(2.0)  # steps 8..12
+
+
+def test_predict_times_random_weights_of_the_trained_mtps_shape(tmp_path):
+    """benchmarks.common.shaped_mtp: a random MTP of an `mtp` section has the parameter shapes a
+    trained checkpoint of that section restores into (`policies.abstract_mtp`) and a draft
+    vocabulary of its size; a draft vocabulary larger than the policy's is an error naming the
+    key. predict.load refuses a demo base without a trained MTP by name."""
+    import dataclasses
+
+    import jax
+
+    from bebop import config as config_lib
+    from bebop import policies
+    from benchmarks.common import shaped_mtp
+    from experiments.e2e_speedup import predict
+
+    pol_cfg = config_lib.load("configs/demo.py")[0].model
+    shape = dataclasses.replace(
+        config_lib.MTPConfig(), num_layers=2, features=(0, -1), depth=2, draft_vocab=7
+    )
+    _, params, vocab = shaped_mtp(shape, pol_cfg)
+    _, want = policies.abstract_mtp(pol_cfg, shape)
+    got = jax.tree.map(lambda a: (a.shape, a.dtype), params)
+    assert got == jax.tree.map(lambda a: (a.shape, a.dtype), want)
+    assert vocab.shape == (7,) and len(set(vocab.tolist())) == 7
+    assert shaped_mtp(dataclasses.replace(shape, draft_vocab=0), pol_cfg)[2] is None
+    too_big = dataclasses.replace(shape, draft_vocab=pol_cfg.vocab_size + 1)
+    with pytest.raises(ValueError, match="mtp.draft_vocab"):
+        shaped_mtp(too_big, pol_cfg)
+    (tmp_path / "config.json").write_text("{}")
+    with pytest.raises(SystemExit, match="mtp/summary.json"):
+        predict.load(tmp_path, "demo", "configs/demo.py")
+
+
+def test_arms_that_drafted_with_different_pre_rl_mtps_are_not_compared():
+    """experiments.common.one_pre_rl_mtp: arms reported beside a config-only base may come from
+    different trained bases; two MTP outcomes among a study's arms are refused by name, arms
+    without a pre-RL MTP (plain, GrowMTP from scratch) never conflict."""
+    from experiments import common
+
+    def arm(name, mtp):
+        return common.ArmResult(common.Arm(name, name), {}, [], None, {}, mtp)
+
+    one = {"steps_run": 2100, "final_loss": 0.61}
+    common.one_pre_rl_mtp({"plain": arm("plain", None), "a": arm("a", one), "b": arm("b", one)})
+    other = {"steps_run": 2100, "final_loss": 0.25}
+    with pytest.raises(SystemExit, match=r"different pre-RL MTPs \(a: .*0\.61.*; b: .*0\.25"):
+        common.one_pre_rl_mtp({"a": arm("a", one), "b": arm("b", other), "p": arm("p", None)})

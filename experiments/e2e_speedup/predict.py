@@ -108,9 +108,13 @@ def load(base: Path, model_name: str, config: str) -> Setup:
     vocabulary size: the loops' seconds do not depend on the weights' values (EOS is off)."""
     mesh = sharding.make_mesh(config_lib.MeshConfig(data=1), jax.devices()[:1])
     cfg = config_lib.load(str(common.REPO / config))[0]
-    ckpt = base / "mtp" / "ckpt"
-    shape = None
-    if model_name != "demo" and not ckpt.exists():
+    ckpt, shape = base / "mtp" / "ckpt", None
+    if not (base / "mtp" / "summary.json").exists():  # as `same_base` tells an untrained MTP
+        if model_name == "demo":
+            raise SystemExit(
+                f"{base}: no trained MTP (mtp/summary.json): the demo's base trains its own "
+                "SFT policy and MTP first (python launch.py --config configs/demo.py)"
+            )
         saved = json.loads((base / "config.json").read_text())
         shape = config_lib.from_dict(config_lib.RunConfig, saved).mtp
     ns = argparse.Namespace(

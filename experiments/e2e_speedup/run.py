@@ -320,6 +320,7 @@ def main():
         every = SMOLLM2_ARMS + SMOLLM2_SYNC
         done = common.study2_arms([n for n in every if n not in results], base, root, args, False)
         results = {n: results.get(n) or done[n] for n in every if n in results or n in done}
+        common.one_pre_rl_mtp(results)
     times = {n: timing(r) for n, r in results.items()}
     for n, r in results.items():  # when each arm ran, one after the other
         times[n]["started"] = r.records[0]["time"]

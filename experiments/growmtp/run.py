@@ -175,6 +175,7 @@ def main():
     # the study's other arms that are finished or kept (no launch)
     results.update(common.study2_arms([n for n in ARMS if n not in names], base, root, args, False))
     results = {n: results[n] for n in ARMS if n in results}
+    common.one_pre_rl_mtp(results)
     rows = {n: row(results[n], results.get("plain"), args.window) for n in SPEC if n in results}
     if args.costs:
         for n in rows:

@@ -146,6 +146,7 @@ def main():
     rest = [n for n in ARMS if n not in names]
     results.update(common.study2_arms(rest, base, root, args, False, borrow=(timed,)))
     results = {n: results[n] for n in ARMS if n in results}
+    common.one_pre_rl_mtp(results)
     study1 = json.loads(STUDY1[args.model].read_text())
     rows = {n: decompose(r, study1, args.window) for n, r in results.items()}
     out = common.outputs(args, HERE, root)
