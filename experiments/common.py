@@ -441,6 +441,18 @@ def study2_arms(
     return {n: r for n, r in out.items() if r is not None}
 
 
+def study2_chosen(names, every, base: Path, root: Path, args, borrow=()) -> dict[str, ArmResult]:
+    """The arms `names` (`--arms`: launched where missing) and the study's other arms of `every`
+    that are finished or kept (reported, not launched), in the order of `every`, checked to have
+    drafted with one pre-RL MTP (`one_pre_rl_mtp`)."""
+    results = study2_arms(names, base, root, args, borrow=borrow)
+    rest = [n for n in every if n not in names]
+    results.update(study2_arms(rest, base, root, args, False, borrow))
+    results = {n: results[n] for n in every if n in results}
+    one_pre_rl_mtp(results)
+    return results
+
+
 def one_pre_rl_mtp(results: dict[str, ArmResult]) -> None:
     """Arms compared in one study drafted with one pre-RL MTP: arms reported beside a base that
     is only its config may come from different trained bases of that config (`kept_arm`), which

@@ -384,3 +384,22 @@ def test_arms_that_drafted_with_different_pre_rl_mtps_are_not_compared():
     other = {"steps_run": 2100, "final_loss": 0.25}
     with pytest.raises(SystemExit, match=r"different pre-RL MTPs \(a: .*0\.61.*; b: .*0\.25"):
         common.one_pre_rl_mtp({"a": arm("a", one), "b": arm("b", other), "p": arm("p", None)})
+
+
+def test_a_study_launches_the_chosen_arms_and_only_reports_the_others(monkeypatch):
+    """experiments.common.study2_chosen: the `--arms` arms may launch, the study's other arms
+    are only reported (launch_missing=False; an arm neither finished nor kept is left out), in
+    the study's order."""
+    from experiments import common
+
+    calls = []
+
+    def fake(names, base, root, args, launch_missing=True, borrow=()):
+        calls.append((tuple(names), launch_missing, borrow))
+        have = {"b", "c"} if launch_missing else {"a"}  # "d": neither finished nor kept
+        return {n: common.ArmResult(common.Arm(n, n), {}, [], None) for n in names if n in have}
+
+    monkeypatch.setattr(common, "study2_arms", fake)
+    got = common.study2_chosen(("c", "b"), ("a", "b", "c", "d"), None, None, None, ("k",))
+    assert list(got) == ["a", "b", "c"]
+    assert calls == [(("c", "b"), True, ("k",)), (("a", "d"), False, ("k",))]

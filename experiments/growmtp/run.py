@@ -171,11 +171,7 @@ def main():
     # arms that never draft with the base's MTP (plain, grow_scratch) need no trained base
     # on a model without an SFT stage
     base, root = common.study2_base(args, "timed_root", names)
-    results = common.study2_arms(names, base, root, args)
-    # the study's other arms that are finished or kept (no launch)
-    results.update(common.study2_arms([n for n in ARMS if n not in names], base, root, args, False))
-    results = {n: results[n] for n in ARMS if n in results}
-    common.one_pre_rl_mtp(results)
+    results = common.study2_chosen(names, ARMS, base, root, args)
     rows = {n: row(results[n], results.get("plain"), args.window) for n in SPEC if n in results}
     if args.costs:
         for n in rows:

@@ -141,12 +141,7 @@ def main():
     base, root = common.study2_base(args, "study2_root", names)
     # an arm the timed studies ran (e.g. frozen_rs in growmtp) is the same run: taken from them
     timed = common.kept_dir(common.MODELS[args.model].timed_root)
-    results = common.study2_arms(names, base, root, args, borrow=(timed,))
-    # the study's other arms that are finished or kept (no launch)
-    rest = [n for n in ARMS if n not in names]
-    results.update(common.study2_arms(rest, base, root, args, False, borrow=(timed,)))
-    results = {n: results[n] for n in ARMS if n in results}
-    common.one_pre_rl_mtp(results)
+    results = common.study2_chosen(names, ARMS, base, root, args, borrow=(timed,))
     study1 = json.loads(STUDY1[args.model].read_text())
     rows = {n: decompose(r, study1, args.window) for n, r in results.items()}
     out = common.outputs(args, HERE, root)
