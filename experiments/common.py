@@ -201,6 +201,7 @@ def run_arm(
     keep: Path | None = None,
     launch_missing: bool = True,
     borrow: tuple[Path, ...] = (),
+    rerun: bool = False,
 ) -> ArmResult | None:
     """The RL stage of `config` from `base`'s SFT policy with `arm`'s overrides (and `extra`,
     the study's common ones), in `root/arm.name`; a finished one is reused when it ran the same
@@ -215,7 +216,8 @@ def run_arm(
     base of the same config when `base` is only its config). `borrow`: other studies' kept
     directories whose arm of the same key is taken too (a study of acceptance reuses an arm a
     timed study ran; never the other way: a timed arm must have run on an otherwise idle
-    machine). `launch_missing=False`: None instead of launching."""
+    machine). `launch_missing=False`: None instead of launching. `rerun`: launched again even
+    where finished or kept (then kept in place of the earlier run, with `keep`)."""
     wd = Path(root).absolute() / arm.name
     done, record = wd / "rl" / "summary.json", wd / "arm.json"
     base = Path(base).absolute()
@@ -226,7 +228,10 @@ def run_arm(
     saved = json.loads(record.read_text()) if record.exists() else {}
     # a run directory of this launch (a record from before launches, or keys, were: as it is)
     same = saved.get("launch", run) == run and saved.get("key", key) == key
-    if not (done.exists() and same):
+    if rerun:
+        print(f"  {arm.name}: running it again (--rerun)", flush=True)
+        done.unlink(missing_ok=True)
+    elif not (done.exists() and same):
         for kept in (keep, *borrow) if keep else ():
             if (res := kept_arm(kept, arm, key, not launch_missing)) is not None:
                 print(f"  {arm.name}: kept in {kept}", flush=True)
@@ -427,14 +432,24 @@ def study2_arms(
     """The arms `names` from `base` in `root`; `args` (`study2_parser`'s): the model's config
     (`:runlocal` with `--runlocal`) and overrides, then `--set`. Finished arms of the study's own
     setting (no `--runlocal`, no `--set`) are kept in `kept_arms/<root's name>/`.
-    `launch_missing=False`: only the arms that are finished or kept; `borrow`: `run_arm`'s."""
+    `launch_missing=False`: only the arms that are finished or kept; `borrow`: `run_arm`'s; the
+    arms of `args.rerun_arms` (`chosen_arms`) run again when launched."""
     m = MODELS[getattr(args, "model", "demo")]
     local, sets = getattr(args, "runlocal", False), tuple(getattr(args, "set", ()))
     config = m.config + (":runlocal" if local else "")
     keep = None if local or sets else kept_dir(root)
+    again = getattr(args, "rerun_arms", ())
     out = {
         n: run_arm(
-            STUDY2_ARMS[n], base, root, config, (*m.extra, *sets), keep, launch_missing, borrow
+            STUDY2_ARMS[n],
+            base,
+            root,
+            config,
+            (*m.extra, *sets),
+            keep,
+            launch_missing,
+            borrow,
+            rerun=launch_missing and n in again,
         )
         for n in names
     }
@@ -502,23 +517,35 @@ def study2_parser(root: str) -> argparse.ArgumentParser:
 
 
 def add_arms_flag(ap: argparse.ArgumentParser) -> None:
-    """`--arms`: which of a study's arms to run (`chosen_arms`)."""
+    """`--arms`: which of a study's arms to run; `--rerun`: which of those to run again even
+    where finished or kept (`chosen_arms`)."""
     ap.add_argument(
         "--arms", default="", help="comma-separated arms to run, in this order (default: all)"
+    )
+    ap.add_argument(
+        "--rerun",
+        default="",
+        help="comma-separated arms to run again although finished or kept (their wall times "
+        "are compared only with arms that ran within 12 h of them)",
     )
 
 
 def chosen_arms(ap: argparse.ArgumentParser, args, known) -> tuple[str, ...]:
     """The arms `--arms` names (all of `known` when empty); an arm not in `known`, or named
-    twice, is a usage error naming it and the study's arms."""
-    if not args.arms:
-        return tuple(known)
-    names = tuple(args.arms.split(","))
-    unknown = sorted(set(names) - set(known))
-    repeated = sorted({n for n in names if names.count(n) > 1})
-    if unknown or repeated:
-        what = f"unknown {unknown}" if unknown else f"repeated {repeated}"
-        ap.error(f"--arms: {what} (the study's arms: {', '.join(known)})")
+    twice, is a usage error naming it and the study's arms. `--rerun` names arms among those,
+    else the same error; they are kept on `args.rerun_arms` (`study2_arms` runs them again)."""
+
+    def parse(flag: str, value: str, among) -> tuple[str, ...]:
+        names = tuple(value.split(","))
+        unknown = sorted(set(names) - set(among))
+        repeated = sorted({n for n in names if names.count(n) > 1})
+        if unknown or repeated:
+            what = f"unknown {unknown}" if unknown else f"repeated {repeated}"
+            ap.error(f"{flag}: {what} (the arms it may name: {', '.join(among)})")
+        return names
+
+    names = parse("--arms", args.arms, known) if args.arms else tuple(known)
+    args.rerun_arms = parse("--rerun", args.rerun, names) if getattr(args, "rerun", "") else ()
     return names
 
 

@@ -195,6 +195,61 @@ def test_a_run_directory_of_another_launch_does_not_hide_a_kept_arm(tmp_path, mo
     assert len(launches) == 3 and not (keep / "legacy.json").exists()
 
 
+def test_rerun_launches_a_finished_or_kept_arm_again_and_keeps_the_new_run(
+    tmp_path, monkeypatch, capsys
+):
+    """experiments.common: `--rerun` names arms among `--arms` (else a usage error naming it);
+    such an arm is launched again although its run is finished and kept, the kept JSON then
+    holds the new run; an arm only reported is never launched by it."""
+    import argparse
+    import json
+
+    from experiments import common
+
+    launches = []
+
+    def fake_launch(config, wd, overrides):
+        launches.append(wd.name)
+        (wd / "rl").mkdir(parents=True)
+        (wd / "rl" / "summary.json").write_text(json.dumps({"n": len(launches)}))
+        (wd / "rl" / "metrics.jsonl").write_text('{"step": 1, "time": 5.0}\n')
+        return {}
+
+    monkeypatch.setattr(common, "launch", fake_launch)
+    monkeypatch.setattr(common, "KEPT", tmp_path / "kept")
+    base, out = tmp_path / "base", tmp_path / "exp_rl_speed_smollm2"
+    (base / "mtp").mkdir(parents=True)
+    ap = argparse.ArgumentParser()
+    common.add_arms_flag(ap)
+    known = ("plain", "grow_scratch")
+
+    def args_of(*argv):
+        args = ap.parse_args(argv)
+        args.model, args.runlocal, args.set = "smollm2", False, []
+        return args, common.chosen_arms(ap, args, known)
+
+    args, names = args_of("--arms", "plain")
+    assert names == ("plain",) and args.rerun_arms == ()
+    assert common.study2_arms(names, base, out, args)["plain"].summary == {"n": 1}
+    assert common.study2_arms(names, base, out, args)["plain"].summary == {"n": 1}  # reused
+    args, names = args_of("--arms", "plain", "--rerun", "plain")
+    assert args.rerun_arms == ("plain",)
+    assert common.study2_arms(names, base, out, args)["plain"].summary == {"n": 2}
+    kept = json.loads((tmp_path / "kept" / out.name / "plain.json").read_text())
+    assert kept["summary"] == {"n": 2} and launches == ["plain", "plain"]
+    # reported (not launched) arms are taken as they are, also when named by --rerun
+    assert common.study2_arms(names, base, out, args, False)["plain"].summary == {"n": 2}
+    assert len(launches) == 2
+    for argv, why in (
+        (("--arms", "plain", "--rerun", "grow_scratch"), "unknown ['grow_scratch']"),
+        (("--rerun", "plain,plain"), "repeated ['plain']"),
+    ):
+        with pytest.raises(SystemExit):
+            args_of(*argv)
+        err = capsys.readouterr().err
+        assert f"--rerun: {why}" in err
+
+
 def test_predict_takes_kept_arms_of_the_same_base_only(tmp_path, monkeypatch):
     """experiments.e2e_speedup.predict: by default it predicts the kept arms that ran from a base
     identical to the one it measures, and refuses by name an arm kept from another base; a base

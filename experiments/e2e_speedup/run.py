@@ -29,7 +29,8 @@ T = 0.7, γ = 3, greedy accuracy every 10 steps) from one run of the recipe's MT
 config), three asynchronous arms --
 plain static, plain tail-aware, speculative tail-aware with the derived draft table (frozen MTP,
 RS) -- and with `--sync` their synchronous twins. Per arm (`results_smollm2.json`, written as
-each arm finishes; a later launch reuses finished arms, so the study can run in parts): RL time
+each arm finishes; a later launch reuses finished arms, so the study can run in parts; `--rerun
+a,b` runs those again): RL time
 without step 1 and its split (rollout, learner, reward, wait, evaluation), the rollout share of
 the plain step, accept length and per-position acceptance per step, the greedy accuracy curve;
 ratios between arms; `reward_accuracy_smollm2.png`: reward and accuracy vs step and vs
@@ -307,10 +308,11 @@ def main():
     common.add_arms_flag(ap)
     args = ap.parse_args()
     names = ARMS if args.model == "demo" else SMOLLM2_ARMS + (SMOLLM2_SYNC if args.sync else ())
-    if args.arms:
+    if args.arms or args.rerun:
         if args.model == "demo":
-            ap.error("--arms: the demo runs all its arms (--arms is for --model smollm2)")
-        names = common.chosen_arms(ap, args, SMOLLM2_ARMS + SMOLLM2_SYNC)
+            ap.error("--arms, --rerun: the demo runs all its arms (they are for --model smollm2)")
+        known = SMOLLM2_ARMS + SMOLLM2_SYNC if args.arms else names
+        names = common.chosen_arms(ap, args, known)
     t0 = time.perf_counter()
     # plain arms alone need no trained base (--predict then times random weights of the MTP's
     # shape: predict.load)

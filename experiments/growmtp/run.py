@@ -17,7 +17,9 @@ RL stage's timed plain-vs-speculative rollouts of its final weights).
 (`common.MODELS`; its static arms with `rollout.compact=False`), arms in
 `runs/exp_rl_speed_smollm2/`, results in `results_smollm2.json`, figures `*_smollm2.png`.
 `--arms`: run only these (the others enter the results where finished or kept); the arms that
-never draft with the base's MTP (plain, grow_scratch) need no trained SmolLM2 base.
+never draft with the base's MTP (plain, grow_scratch) need no trained SmolLM2 base. `--rerun`:
+run these again although finished or kept (times are compared only between arms that started
+within 12 h of each other, e.g. a kept plain arm of another day and a new GrowMTP arm).
 
 Arms land in `runs/exp_rl_speed/<arm>/` (shared with `experiments/e2e_speedup`: run both on an
 otherwise idle machine, their wall times are compared); figures and `results.json` next to this
