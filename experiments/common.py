@@ -216,8 +216,9 @@ def run_arm(
     base of the same config when `base` is only its config). `borrow`: other studies' kept
     directories whose arm of the same key is taken too (a study of acceptance reuses an arm a
     timed study ran; never the other way: a timed arm must have run on an otherwise idle
-    machine). `launch_missing=False`: None instead of launching. `rerun`: launched again even
-    where finished or kept (then kept in place of the earlier run, with `keep`)."""
+    machine). `launch_missing=False`: None instead of launching. `rerun` (only with
+    `launch_missing`): launched again even where finished or kept; the kept arm is replaced, and
+    the earlier run directory (moved to `<arm>.before_rerun`) removed, once the new run ends."""
     wd = Path(root).absolute() / arm.name
     done, record = wd / "rl" / "summary.json", wd / "arm.json"
     base = Path(base).absolute()
@@ -228,9 +229,14 @@ def run_arm(
     saved = json.loads(record.read_text()) if record.exists() else {}
     # a run directory of this launch (a record from before launches, or keys, were: as it is)
     same = saved.get("launch", run) == run and saved.get("key", key) == key
+    rerun = rerun and launch_missing  # an arm only reported is never launched
+    earlier = wd.with_name(f"{arm.name}.before_rerun")
     if rerun:
-        print(f"  {arm.name}: running it again (--rerun)", flush=True)
-        done.unlink(missing_ok=True)
+        if done.exists() or (keep and (Path(keep) / f"{arm.name}.json").exists()):
+            print(f"  {arm.name}: running it again (--rerun)", flush=True)
+        if done.exists():  # kept until the new run ends
+            shutil.rmtree(earlier, ignore_errors=True)
+            wd.rename(earlier)
     elif not (done.exists() and same):
         for kept in (keep, *borrow) if keep else ():
             if (res := kept_arm(kept, arm, key, not launch_missing)) is not None:
@@ -253,6 +259,7 @@ def run_arm(
         saved = {"wall_s": wall, "launch": run, "key": key}
         record.write_text(json.dumps(saved) + "\n")
         print(f"  {arm.name}: {wall:.0f} s", flush=True)
+        shutil.rmtree(earlier, ignore_errors=True)
     summary = json.loads(done.read_text())
     cfg = json.loads((wd / "config.json").read_text()) if (wd / "config.json").exists() else {}
     mtp = base_identity(base, arm.pretrained)["mtp"]
@@ -525,15 +532,16 @@ def add_arms_flag(ap: argparse.ArgumentParser) -> None:
     ap.add_argument(
         "--rerun",
         default="",
-        help="comma-separated arms to run again although finished or kept (their wall times "
-        "are compared only with arms that ran within 12 h of them)",
+        help="comma-separated arms among --arms to run again although finished or kept (wall "
+        "times are compared only between arms that started within 12 h of each other)",
     )
 
 
 def chosen_arms(ap: argparse.ArgumentParser, args, known) -> tuple[str, ...]:
     """The arms `--arms` names (all of `known` when empty); an arm not in `known`, or named
-    twice, is a usage error naming it and the study's arms. `--rerun` names arms among those,
-    else the same error; they are kept on `args.rerun_arms` (`study2_arms` runs them again)."""
+    twice, is a usage error naming it and the arms the flag may name. `--rerun` names arms among
+    those, else the same error; they are kept on `args.rerun_arms` (`study2_arms` runs them
+    again)."""
 
     def parse(flag: str, value: str, among) -> tuple[str, ...]:
         names = tuple(value.split(","))

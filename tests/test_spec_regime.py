@@ -200,9 +200,11 @@ def test_rerun_launches_a_finished_or_kept_arm_again_and_keeps_the_new_run(
 ):
     """experiments.common: `--rerun` names arms among `--arms` (else a usage error naming it);
     such an arm is launched again although its run is finished and kept, the kept JSON then
-    holds the new run; an arm only reported is never launched by it."""
+    holds the new run; an interrupted rerun leaves the earlier kept JSON and run directory; an
+    arm only reported is never launched by it."""
     import argparse
     import json
+    import shutil
 
     from experiments import common
 
@@ -215,10 +217,16 @@ def test_rerun_launches_a_finished_or_kept_arm_again_and_keeps_the_new_run(
         (wd / "rl" / "metrics.jsonl").write_text('{"step": 1, "time": 5.0}\n')
         return {}
 
+    def interrupted(config, wd, overrides):
+        launches.append(wd.name)
+        (wd / "rl").mkdir(parents=True)
+        raise KeyboardInterrupt
+
     monkeypatch.setattr(common, "launch", fake_launch)
     monkeypatch.setattr(common, "KEPT", tmp_path / "kept")
     base, out = tmp_path / "base", tmp_path / "exp_rl_speed_smollm2"
     (base / "mtp").mkdir(parents=True)
+    kept = tmp_path / "kept" / out.name / "plain.json"
     ap = argparse.ArgumentParser()
     common.add_arms_flag(ap)
     known = ("plain", "grow_scratch")
@@ -228,26 +236,90 @@ def test_rerun_launches_a_finished_or_kept_arm_again_and_keeps_the_new_run(
         args.model, args.runlocal, args.set = "smollm2", False, []
         return args, common.chosen_arms(ap, args, known)
 
-    args, names = args_of("--arms", "plain")
-    assert names == ("plain",) and args.rerun_arms == ()
-    assert common.study2_arms(names, base, out, args)["plain"].summary == {"n": 1}
-    assert common.study2_arms(names, base, out, args)["plain"].summary == {"n": 1}  # reused
-    args, names = args_of("--arms", "plain", "--rerun", "plain")
-    assert args.rerun_arms == ("plain",)
-    assert common.study2_arms(names, base, out, args)["plain"].summary == {"n": 2}
-    kept = json.loads((tmp_path / "kept" / out.name / "plain.json").read_text())
-    assert kept["summary"] == {"n": 2} and launches == ["plain", "plain"]
-    # reported (not launched) arms are taken as they are, also when named by --rerun
-    assert common.study2_arms(names, base, out, args, False)["plain"].summary == {"n": 2}
+    once, names = args_of("--arms", "plain")
+    assert names == ("plain",) and once.rerun_arms == ()
+    assert common.study2_arms(names, base, out, once)["plain"].summary == {"n": 1}
+    assert common.study2_arms(names, base, out, once)["plain"].summary == {"n": 1}  # reused
+    assert json.loads(kept.read_text())["summary"] == {"n": 1}
+    again, names = args_of("--arms", "plain", "--rerun", "plain")
+    assert again.rerun_arms == ("plain",)
+    # interrupted: the earlier run stays kept (and in plain.before_rerun), taken without --rerun
+    monkeypatch.setattr(common, "launch", interrupted)
+    with pytest.raises(KeyboardInterrupt):
+        common.study2_arms(names, base, out, again)
+    monkeypatch.setattr(common, "launch", fake_launch)
+    assert json.loads(kept.read_text())["summary"] == {"n": 1}
+    assert (out / "plain.before_rerun" / "rl" / "summary.json").exists()
+    assert common.study2_arms(names, base, out, once)["plain"].summary == {"n": 1}
     assert len(launches) == 2
+    # finished: the new run is kept, the earlier directory removed
+    assert common.study2_arms(names, base, out, again)["plain"].summary == {"n": 3}
+    assert json.loads(kept.read_text())["summary"] == {"n": 3}
+    assert not (out / "plain.before_rerun").exists()
+    # an arm only kept (its run directory gone) is launched again too
+    shutil.rmtree(out / "plain")
+    assert common.study2_arms(names, base, out, again)["plain"].summary == {"n": 4}
+    # reported (not launched) arms are taken as they are, also when named by --rerun
+    assert common.study2_arms(names, base, out, again, False)["plain"].summary == {"n": 4}
+    n = len(launches)
+    arm = common.STUDY2_ARMS["plain"]
+    extra = common.MODELS["smollm2"].extra
+    config = common.MODELS["smollm2"].config
+    reported = common.run_arm(arm, base, out, config, extra, kept.parent, False, rerun=True)
+    assert reported.summary == {"n": 4} and len(launches) == n
+    # study2_chosen: the rerun arm launches once, the study's other arms are only reported
+    assert list(common.study2_chosen(names, known, base, out, again)) == ["plain"]
+    assert launches == ["plain"] * (n + 1)
     for argv, why in (
-        (("--arms", "plain", "--rerun", "grow_scratch"), "unknown ['grow_scratch']"),
-        (("--rerun", "plain,plain"), "repeated ['plain']"),
+        (
+            ("--arms", "plain", "--rerun", "grow_scratch"),
+            "unknown ['grow_scratch'] (the arms it may name: plain)",
+        ),
+        (("--rerun", "plain,plain"), "repeated ['plain'] (the arms it may name: plain, grow"),
     ):
         with pytest.raises(SystemExit):
             args_of(*argv)
-        err = capsys.readouterr().err
-        assert f"--rerun: {why}" in err
+        assert f"--rerun: {why}" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize(
+    "argv, names, rerun",
+    [
+        (("--model", "demo", "--rerun", "plain"), None, None),
+        (("--model", "demo", "--arms", "plain"), None, None),
+        (("--model", "smollm2", "--rerun", "plain_sync"), None, None),
+        (("--model", "smollm2", "--sync", "--rerun", "plain_sync"), "every+sync", ("plain_sync",)),
+        (("--model", "smollm2", "--arms", "plain_sync"), ("plain_sync",), ()),
+        (("--model", "smollm2", "--rerun", "plain"), "every", ("plain",)),
+    ],
+)
+def test_e2e_speedup_arms_and_rerun_flags(monkeypatch, argv, names, rerun):
+    """experiments.e2e_speedup.run: the demo refuses --arms and --rerun; on SmolLM2 --arms may
+    name a synchronous arm without --sync, --rerun (without --arms) only the arms that run."""
+    import sys
+
+    from experiments import common
+    from experiments.e2e_speedup import run
+
+    seen = {}
+
+    class Launched(Exception):
+        pass
+
+    def study2_base(args, root_attr, chosen=None):
+        seen.update(names=tuple(chosen), rerun=args.rerun_arms)
+        raise Launched
+
+    monkeypatch.setattr(common, "study2_base", study2_base)
+    monkeypatch.setattr(sys, "argv", ["run", *argv])
+    if names is None:
+        with pytest.raises(SystemExit):
+            run.main()
+        return
+    with pytest.raises(Launched):
+        run.main()
+    every = run.SMOLLM2_ARMS + (run.SMOLLM2_SYNC if names == "every+sync" else ())
+    assert seen == {"names": every if isinstance(names, str) else names, "rerun": rerun}
 
 
 def test_predict_takes_kept_arms_of_the_same_base_only(tmp_path, monkeypatch):

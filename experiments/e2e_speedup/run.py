@@ -29,14 +29,13 @@ T = 0.7, γ = 3, greedy accuracy every 10 steps) from one run of the recipe's MT
 config), three asynchronous arms --
 plain static, plain tail-aware, speculative tail-aware with the derived draft table (frozen MTP,
 RS) -- and with `--sync` their synchronous twins. Per arm (`results_smollm2.json`, written as
-each arm finishes; a later launch reuses finished arms, so the study can run in parts; `--rerun
-a,b` runs those again): RL time
-without step 1 and its split (rollout, learner, reward, wait, evaluation), the rollout share of
-the plain step, accept length and per-position acceptance per step, the greedy accuracy curve;
-ratios between arms; `reward_accuracy_smollm2.png`: reward and accuracy vs step and vs
-wall-clock, all arms. `--predict`: then `experiments.e2e_speedup.predict` (the cost model's
-prediction of every arm, beside its measurement). `--runlocal` / `--set KEY=VALUE`: smoke
-settings.
+each arm finishes; a later launch reuses finished arms, so the study can run in parts;
+`--rerun a,b` runs those again): RL time without step 1 and its split (rollout, learner,
+reward, wait, evaluation), the rollout share of the plain step, accept length and
+per-position acceptance per step, the greedy accuracy curve; ratios between arms;
+`reward_accuracy_smollm2.png`: reward and accuracy vs step and vs wall-clock, all arms.
+`--predict`: then `experiments.e2e_speedup.predict` (the cost model's prediction of every arm,
+beside its measurement). `--runlocal` / `--set KEY=VALUE`: smoke settings.
 
 Arms land in `OUT/<arm>/` (`--out OUT`; default `runs/exp_rl_speed`, shared with
 `experiments.growmtp`; run both on an otherwise idle machine, one after the other: their wall
@@ -312,6 +311,8 @@ def main():
         if args.model == "demo":
             ap.error("--arms, --rerun: the demo runs all its arms (they are for --model smollm2)")
         known = SMOLLM2_ARMS + SMOLLM2_SYNC if args.arms else names
+        if not args.arms and set(args.rerun.split(",")) & set(SMOLLM2_SYNC) - set(names):
+            ap.error("--rerun: the synchronous arms run with --sync (or name them in --arms)")
         names = common.chosen_arms(ap, args, known)
     t0 = time.perf_counter()
     # plain arms alone need no trained base (--predict then times random weights of the MTP's

@@ -19,7 +19,9 @@ RL stage's timed plain-vs-speculative rollouts of its final weights).
 `--arms`: run only these (the others enter the results where finished or kept); the arms that
 never draft with the base's MTP (plain, grow_scratch) need no trained SmolLM2 base. `--rerun`:
 run these again although finished or kept (times are compared only between arms that started
-within 12 h of each other, e.g. a kept plain arm of another day and a new GrowMTP arm).
+within 12 h of each other, e.g. a kept plain arm of another day and a new GrowMTP arm); the
+arms and their kept JSON are shared with `experiments.e2e_speedup`, whose results file keeps
+the earlier timing until it runs again.
 
 Arms land in `runs/exp_rl_speed/<arm>/` (shared with `experiments/e2e_speedup`: run both on an
 otherwise idle machine, their wall times are compared); figures and `results.json` next to this

@@ -19,9 +19,10 @@ in `runs/exp_mtp_in_rl/<arm>/` and are reused when finished. `--model smollm2`: 
 `runs/exp_mtp_in_rl_smollm2/`, results in `results_smollm2.json`, figures `*_smollm2.png`. An
 arm a timed study kept from the same launch (`frozen_rs`, by `experiments.growmtp`) is taken
 from its kept JSON (no run directory here). `--arms`: run only these (the others enter the
-results where finished or kept); `--rerun`: run these again although finished or kept.
-Figures and `results.json` land next to this file (`--runlocal` / `--set`: under
-`<out>/results/`). Last line: one JSON object.
+results where finished or kept); `--rerun`: run these again although finished or kept
+(`frozen_rs` then in this study's own directory, not taken from the timed study's). Figures
+and `results.json` land next to this file (`--runlocal` / `--set`: under `<out>/results/`).
+Last line: one JSON object.
 """
 
 from __future__ import annotations
