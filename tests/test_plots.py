@@ -210,6 +210,13 @@ def test_wall_times_are_compared_only_between_arms_run_side_by_side():
     apart = ratios({"plain_compact": arm(0.0, 120.0), "frozen_rs_compact": arm(13 * 3600.0, 100.0)})
     assert "rl_s_after_step_1" not in apart["async_compact"]
     assert "13 h apart" in apart["async_compact"]["not_compared"]
+    # the second arm sampled 1.25x the tokens: said beside the 1.2x of times
+    tok = {"plain_compact": arm(0.0, 120.0), "frozen_rs_compact": arm(3600.0, 100.0)}
+    tok["plain_compact"]["response_tokens"] = 400.0
+    tok["frozen_rs_compact"]["response_tokens"] = 500.0
+    r = ratios(tok)["async_compact"]
+    assert r["tokens_second_over_first"] == pytest.approx(1.25)
+    assert r["rl_s_after_step_1"] == pytest.approx(1.2)
 
 
 def test_growmtp_does_not_compare_step_times_with_a_plain_arm_of_another_day():

@@ -463,6 +463,32 @@ def test_growmtp_reports_a_head_before_its_plain_arm_ran():
     )
     assert r["accept_len_first"] == pytest.approx(1.1)
     assert r["accept_len_last10"] == pytest.approx(2.0)  # steps 8..12
+    assert r["response_tokens_ratio"] is None
+
+
+def test_growmtp_says_how_many_tokens_each_arm_sampled_beside_its_times():
+    """experiments.growmtp.run.row: an arm whose steps take 9 s against plain's 10 s while
+    sampling 0.75 of plain's tokens (step 1 left out) is 0.9x plain per step, tokens 0.75x."""
+    from experiments import common
+    from experiments.growmtp.run import row
+
+    def arm(name, step_s, tokens):
+        recs = [
+            {
+                "step": s,
+                "time": step_s * s,
+                "rollout_s": 4.0,
+                "accept_len": 2.0,
+                "reward_mean": 0.5,
+                "response_tokens": tokens if s > 1 else 999,  # step 1 is not compared
+            }
+            for s in range(1, 13)
+        ]
+        return common.ArmResult(common.Arm(name, name), {"accuracy_after": 0.5}, recs, None)
+
+    r = row(arm("spec", 9.0, 300), arm("plain", 10.0, 400), window=5)
+    assert r["step_s_ratio"]["all"] == pytest.approx(0.9)
+    assert r["response_tokens_ratio"] == pytest.approx(0.75)
 
 
 def test_predict_times_random_weights_of_the_trained_mtps_shape(tmp_path):

@@ -120,7 +120,8 @@ def curves(res: common.ArmResult) -> dict:
 
 def ratios(t: dict) -> dict:
     """Speedups: the first arm's time / the second's (> 1: the second is faster), for the pairs
-    whose arms both ran, side by side (`common.SIDE_BY_SIDE_S`; each arm's `started`)."""
+    whose arms both ran, side by side (`common.SIDE_BY_SIDE_S`; each arm's `started`); where
+    the arms record their sampled tokens, the second's over the first's beside them."""
     pairs = {
         "sync": ("plain_sync", "frozen_rs_sync"),
         "async": ("plain", "frozen_rs"),
@@ -144,6 +145,12 @@ def ratios(t: dict) -> dict:
         out[name] = {
             k: t[a][k] / t[b][k] for k in ("rl_s_after_step_1", "step_s_median", "rollout_s")
         }
+        # runs that sample differently drift to different response lengths: said beside the
+        # ratios of times (the learner's update has a fixed shape, its rollouts do not)
+        if t[a].get("response_tokens") and t[b].get("response_tokens"):
+            out[name]["tokens_second_over_first"] = (
+                t[b]["response_tokens"] / t[a]["response_tokens"]
+            )
     return out
 
 

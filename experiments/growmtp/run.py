@@ -95,8 +95,14 @@ def pays_by_cost_model(res: common.ArmResult, costs_file: Path, window: int) -> 
 
 def row(res: common.ArmResult, plain: common.ArmResult | None, window: int) -> dict:
     """A speculative arm's acceptance and reward, and its times over the plain arm's where the
-    plain arm ran beside it (`None`: not run yet, times not compared)."""
+    plain arm ran beside it (`None`: not run yet, times not compared). RL runs that sample
+    differently drift to different response lengths: beside the ratios of times, the ratio of
+    sampled tokens (steps 2..; the learner's update has a fixed shape, the rollouts do not)."""
     apart = None if plain is None else common.hours_apart(res, plain)
+    tokens = None
+    if plain is not None:  # records of before the token counts: None
+        mine, theirs = (after_step_1(r, "response_tokens")[1].sum() for r in (res, plain))
+        tokens = mine / theirs if theirs > 0 else None
     if plain is None:
         roll = wall = {"not_compared": "the plain arm has not run"}
     elif apart is None:
@@ -116,6 +122,7 @@ def row(res: common.ArmResult, plain: common.ArmResult | None, window: int) -> d
         # speculative / plain seconds (< 1: speculation is faster), steps 2..
         "rollout_s_ratio": roll,
         "step_s_ratio": wall,
+        "response_tokens_ratio": None if tokens is None else float(tokens),
         "final_rollout_speedup": speed.get("speedup"),
         "final_speedup_batch": speed.get("batch"),
         "reward_last10": common.window_mean(res, "reward_mean", False, window),
@@ -195,7 +202,8 @@ def main():
             f"{n:16s} accept len {r['accept_len_first']:.2f} -> {r['accept_len_last10']:.2f}  "
             f"vs plain: rollout time {ro['first']:.2f} -> {ro['last']:.2f} (all {ro['all']:.2f}, "
             f"pays from step {ro['pays_from_step']}), step time {st['first']:.2f} -> "
-            f"{st['last']:.2f} (all {st['all']:.2f}, pays from step {st['pays_from_step']})  "
+            f"{st['last']:.2f} (all {st['all']:.2f}, pays from step {st['pays_from_step']}; "
+            f"tokens sampled {r['response_tokens_ratio'] or float('nan'):.2f}x plain's)  "
             f"final rollout speedup {r['final_rollout_speedup']}",
             flush=True,
         )
