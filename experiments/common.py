@@ -218,7 +218,8 @@ def run_arm(
     timed study ran; never the other way: a timed arm must have run on an otherwise idle
     machine). `launch_missing=False`: None instead of launching. `rerun` (only with
     `launch_missing`): launched again even where finished or kept; the kept arm is replaced, and
-    the earlier run directory (moved to `<arm>.before_rerun`) removed, once the new run ends."""
+    the earlier run directory (moved to `<arm>.before_rerun`) removed, once the new run ends (a
+    later call without `rerun` after an interrupted one restores the earlier directory)."""
     wd = Path(root).absolute() / arm.name
     done, record = wd / "rl" / "summary.json", wd / "arm.json"
     base = Path(base).absolute()
@@ -226,11 +227,14 @@ def run_arm(
     run = {"config": config, "base": str(base)}
     run["overrides"] = ["stages=('rl',)", *init, *extra, *arm.overrides]
     key = kept_key(config, run["overrides"], base, arm.pretrained) if keep else None
+    rerun = rerun and launch_missing  # an arm only reported is never launched
+    earlier = wd.with_name(f"{arm.name}.before_rerun")
+    if not rerun and not done.exists() and (earlier / "rl" / "summary.json").exists():
+        shutil.rmtree(wd, ignore_errors=True)  # an interrupted rerun: the earlier run back
+        earlier.rename(wd)
     saved = json.loads(record.read_text()) if record.exists() else {}
     # a run directory of this launch (a record from before launches, or keys, were: as it is)
     same = saved.get("launch", run) == run and saved.get("key", key) == key
-    rerun = rerun and launch_missing  # an arm only reported is never launched
-    earlier = wd.with_name(f"{arm.name}.before_rerun")
     if rerun:
         if done.exists() or (keep and (Path(keep) / f"{arm.name}.json").exists()):
             print(f"  {arm.name}: running it again (--rerun)", flush=True)

@@ -251,7 +251,9 @@ def test_rerun_launches_a_finished_or_kept_arm_again_and_keeps_the_new_run(
     assert json.loads(kept.read_text())["summary"] == {"n": 1}
     assert (out / "plain.before_rerun" / "rl" / "summary.json").exists()
     assert common.study2_arms(names, base, out, once)["plain"].summary == {"n": 1}
-    assert len(launches) == 2
+    assert len(launches) == 2  # the earlier run directory restored, not run again
+    assert (out / "plain" / "rl" / "summary.json").exists()
+    assert not (out / "plain.before_rerun").exists()
     # finished: the new run is kept, the earlier directory removed
     assert common.study2_arms(names, base, out, again)["plain"].summary == {"n": 3}
     assert json.loads(kept.read_text())["summary"] == {"n": 3}
@@ -293,7 +295,7 @@ def test_rerun_launches_a_finished_or_kept_arm_again_and_keeps_the_new_run(
         (("--model", "smollm2", "--rerun", "plain"), "every", ("plain",)),
     ],
 )
-def test_e2e_speedup_arms_and_rerun_flags(monkeypatch, argv, names, rerun):
+def test_e2e_speedup_arms_and_rerun_flags(monkeypatch, capsys, argv, names, rerun):
     """experiments.e2e_speedup.run: the demo refuses --arms and --rerun; on SmolLM2 --arms may
     name a synchronous arm without --sync, --rerun (without --arms) only the arms that run."""
     import sys
@@ -315,6 +317,8 @@ def test_e2e_speedup_arms_and_rerun_flags(monkeypatch, argv, names, rerun):
     if names is None:
         with pytest.raises(SystemExit):
             run.main()
+        error = capsys.readouterr().err.splitlines()[-1]
+        assert ("--sync" in error) == ("plain_sync" in argv)  # why a synchronous arm is refused
         return
     with pytest.raises(Launched):
         run.main()
@@ -489,6 +493,10 @@ def test_growmtp_says_how_many_tokens_each_arm_sampled_beside_its_times():
     r = row(arm("spec", 9.0, 300), arm("plain", 10.0, 400), window=5)
     assert r["step_s_ratio"]["all"] == pytest.approx(0.9)
     assert r["response_tokens_ratio"] == pytest.approx(0.75)
+    uncounted = arm("spec", 9.0, 300)
+    for rec in uncounted.records:
+        del rec["response_tokens"]
+    assert row(uncounted, arm("plain", 10.0, 400), window=5)["response_tokens_ratio"] is None
 
 
 def test_predict_times_random_weights_of_the_trained_mtps_shape(tmp_path):

@@ -102,7 +102,7 @@ def row(res: common.ArmResult, plain: common.ArmResult | None, window: int) -> d
     tokens = None
     if plain is not None:  # records of before the token counts: None
         mine, theirs = (after_step_1(r, "response_tokens")[1].sum() for r in (res, plain))
-        tokens = mine / theirs if theirs > 0 else None
+        tokens = mine / theirs if mine > 0 and theirs > 0 else None
     if plain is None:
         roll = wall = {"not_compared": "the plain arm has not run"}
     elif apart is None:
