@@ -460,7 +460,7 @@ def study2_arms(
             keep,
             launch_missing,
             borrow,
-            rerun=launch_missing and n in again,
+            rerun=n in again,  # run_arm launches only with launch_missing
         )
         for n in names
     }
