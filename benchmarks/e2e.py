@@ -58,7 +58,7 @@ def main():
     args = ap.parse_args()
     import jax
 
-    from experiments import common
+    from experiments import arms, common
 
     wd = Path(args.out).absolute()
     res = {"config": args.config, "overrides": args.set, "device": jax.devices()[0].device_kind}
@@ -72,21 +72,21 @@ def main():
         raise SystemExit(128 + signum)
 
     signal.signal(signal.SIGTERM, cut)
-    common.launch(args.config, wd, args.set)
+    arms.launch(args.config, wd, args.set)
     res["pipeline_wall_s"] = time.perf_counter() - t0
     res["pipeline"] = {s: scalars(wd / s / "summary.json") for s in STAGES}
     print(json.dumps(res), flush=True)
 
-    arms = {}
+    figures = {}
     for name in [a for a in args.arms.split(",") if a]:
         arm = common.STUDY2_ARMS[name]
         extra = (*common.STUDY2_EXTRA, *args.set)
-        arms[name] = arm_figures(common.run_arm(arm, wd, wd / "arms", args.config, extra))
-        res["arms"] = arms
-        print(f"{name}: {json.dumps(arms[name])}", flush=True)
+        figures[name] = arm_figures(arms.run_arm(arm, wd, wd / "arms", args.config, extra))
+        res["arms"] = figures
+        print(f"{name}: {json.dumps(figures[name])}", flush=True)
         print(json.dumps(res), flush=True)
-    if {"plain", "frozen_rs"} <= arms.keys():
-        p, s = arms["plain"], arms["frozen_rs"]
+    if {"plain", "frozen_rs"} <= figures.keys():
+        p, s = figures["plain"], figures["frozen_rs"]
         res["speedup_spec_over_plain"] = {
             k: p[k] / s[k] if s[k] else None
             for k in ("rl_s_after_step_1", "step_s_median", "rollout_s")

@@ -27,7 +27,7 @@ from pathlib import Path
 
 import numpy as np
 
-from experiments.common import launch, link_tree
+from experiments.arms import launch, link_tree
 
 MODELS = {
     "smollm2": dict(config="configs/mtp_smollm2.py", stages=("distill", "mtp")),

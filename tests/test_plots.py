@@ -142,7 +142,7 @@ def test_study2_helpers_pay_from_the_last_crossing_and_split_acceptance_by_entro
     """GrowMTP's "starts paying" is the first step after the last one slower than plain (never if
     the last step is); mtp_in_rl's decomposition puts an acceptance change that the entropy
     change predicts exactly under "explained" and nothing under "rest"."""
-    from experiments import common
+    from experiments import arms, common
     from experiments.growmtp.run import pays_from
     from experiments.mtp_in_rl.run import decompose
 
@@ -169,16 +169,16 @@ def test_study2_helpers_pay_from_the_last_crossing_and_split_acceptance_by_entro
         for i, (h, d) in enumerate(zip(entropy, drift, strict=True))
     ]
     arm = common.STUDY2_ARMS["frozen_rs"]
-    res = common.ArmResult(arm, {"accuracy_before": 0.4, "accuracy_after": 0.5}, records, None)
+    res = arms.ArmResult(arm, {"accuracy_before": 0.4, "accuracy_after": 0.5}, records, None)
     row = decompose(res, study1, n=10)
     dh = entropy[-10:].mean() - entropy[:10].mean()
     assert row["study1_fit"] == "RS-TV"
     assert row["explained_by_entropy"] == pytest.approx(slope * dh)
     assert row["rest"] == pytest.approx(drift[-10:].mean() - drift[:10].mean())
     to_arm = common.STUDY2_ARMS["to_online_ce"]
-    assert decompose(common.ArmResult(to_arm, res.summary, records, None), study1)[
-        "study1_fit"
-    ] == ("TO-CE")
+    assert decompose(arms.ArmResult(to_arm, res.summary, records, None), study1)["study1_fit"] == (
+        "TO-CE"
+    )
 
 
 def test_loss_ablation_delta_stands_on_the_prompts_both_arms_share():
@@ -220,7 +220,7 @@ def test_wall_times_are_compared_only_between_arms_run_side_by_side():
 
 
 def test_growmtp_does_not_compare_step_times_with_a_plain_arm_of_another_day():
-    from experiments import common
+    from experiments import arms
     from experiments.growmtp.run import row
 
     def arm(name, t0):
@@ -234,7 +234,7 @@ def test_growmtp_does_not_compare_step_times_with_a_plain_arm_of_another_day():
             }
             for s in range(1, 13)
         ]
-        return common.ArmResult(common.Arm(name, name), {"accuracy_after": 0.5}, recs, None)
+        return arms.ArmResult(arms.Arm(name, name), {"accuracy_after": 0.5}, recs, None)
 
     near = row(arm("grow", 3600.0), arm("plain", 0.0), window=5)
     assert near["step_s_ratio"]["all"] == pytest.approx(1.0)

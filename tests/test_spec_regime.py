@@ -37,12 +37,12 @@ def test_amdahl_bound_and_ratios_on_hand_made_arms():
 
 
 def test_a_finished_arm_is_reused_only_for_the_same_launch(tmp_path, monkeypatch):
-    """experiments.common.run_arm: a finished arm of another base (or setting) runs again; the
+    """experiments.arms.run_arm: a finished arm of another base (or setting) runs again; the
     same launch is reused; a run recorded before launches were is reused as it is. (`launch`,
     the subprocess, is replaced by one that writes a finished RL stage.)"""
     import json
 
-    from experiments import common
+    from experiments import arms
 
     launches = []
 
@@ -53,31 +53,31 @@ def test_a_finished_arm_is_reused_only_for_the_same_launch(tmp_path, monkeypatch
         (wd / "rl" / "metrics.jsonl").write_text('{"step": 1}\n')
         return {}
 
-    monkeypatch.setattr(common, "launch", fake_launch)
-    arm = common.Arm("spec", "speculative")
+    monkeypatch.setattr(arms, "launch", fake_launch)
+    arm = arms.Arm("spec", "speculative")
     short, full = tmp_path / "short_base", tmp_path / "full_base"
-    common.run_arm(arm, short, tmp_path / "out", "configs/rl_smollm2.py", ("rl.steps=3",))
-    common.run_arm(arm, short, tmp_path / "out", "configs/rl_smollm2.py", ("rl.steps=3",))
+    arms.run_arm(arm, short, tmp_path / "out", "configs/rl_smollm2.py", ("rl.steps=3",))
+    arms.run_arm(arm, short, tmp_path / "out", "configs/rl_smollm2.py", ("rl.steps=3",))
     assert len(launches) == 1  # the same launch: reused
-    common.run_arm(arm, full, tmp_path / "out", "configs/rl_smollm2.py", ("rl.steps=3",))
+    arms.run_arm(arm, full, tmp_path / "out", "configs/rl_smollm2.py", ("rl.steps=3",))
     assert len(launches) == 2 and str(full / "mtp" / "ckpt") in launches[1][1]
-    common.run_arm(arm, full, tmp_path / "out", "configs/rl_smollm2.py", ("rl.steps=4",))
+    arms.run_arm(arm, full, tmp_path / "out", "configs/rl_smollm2.py", ("rl.steps=4",))
     assert len(launches) == 3  # another setting
     record = tmp_path / "out" / "spec" / "arm.json"
     record.write_text(json.dumps({"wall_s": 1.0, "overrides": []}))  # an older record
-    res = common.run_arm(arm, short, tmp_path / "out", "configs/rl_smollm2.py", ("rl.steps=3",))
+    res = arms.run_arm(arm, short, tmp_path / "out", "configs/rl_smollm2.py", ("rl.steps=3",))
     assert len(launches) == 3 and res.wall_s == 1.0
 
 
 def test_a_kept_arm_outlives_its_run_directory_only_for_an_identical_base(tmp_path, monkeypatch):
-    """experiments.common.run_arm with `keep`: a finished arm is kept as JSON; with its run
+    """experiments.arms.run_arm with `keep`: a finished arm is kept as JSON; with its run
     directory gone (or holding a run of another setting), the same launch from a base trained
     again to the same MTP is taken from the kept file (no launch); another setting, a base whose
     MTP trained to another loss, or an unreadable kept file run the arm again."""
     import json
     import shutil
 
-    from experiments import common
+    from experiments import arms
 
     launches = []
 
@@ -99,10 +99,10 @@ def test_a_kept_arm_outlives_its_run_directory_only_for_an_identical_base(tmp_pa
         return base
 
     def arm_of(base, extra=(), launch_missing=True):
-        return common.run_arm(arm, base, out, "configs/rl_smollm2.py", extra, keep, launch_missing)
+        return arms.run_arm(arm, base, out, "configs/rl_smollm2.py", extra, keep, launch_missing)
 
-    monkeypatch.setattr(common, "launch", fake_launch)
-    arm, keep, out = common.Arm("spec", "speculative"), tmp_path / "kept", tmp_path / "out"
+    monkeypatch.setattr(arms, "launch", fake_launch)
+    arm, keep, out = arms.Arm("spec", "speculative"), tmp_path / "kept", tmp_path / "out"
     first = arm_of(make_base(0.5))
     kept = json.loads((keep / "spec.json").read_text())
     assert kept["records"] == [{"step": 1, "time": 5.0}] and kept["summary"] == {"n": 1}
@@ -135,11 +135,11 @@ def test_a_kept_arm_outlives_its_run_directory_only_for_an_identical_base(tmp_pa
     (untrained / "config.json").write_text(json.dumps({"seed": 0}))
     assert arm_of(untrained, ("rl.steps=3",)).summary == {"n": 5}  # launched: not taken
     # an arm that never drafts with the base's MTP does not depend on how the MTP trained
-    plain = common.Arm("plain", "plain", ("rollout.mode='plain'",), pretrained=False)
-    common.run_arm(plain, make_base(0.25), out, "configs/rl_smollm2.py", (), keep)
+    plain = arms.Arm("plain", "plain", ("rollout.mode='plain'",), pretrained=False)
+    arms.run_arm(plain, make_base(0.25), out, "configs/rl_smollm2.py", (), keep)
     shutil.rmtree(out)
     n = len(launches)
-    common.run_arm(plain, make_base(0.125), out, "configs/rl_smollm2.py", (), keep)
+    arms.run_arm(plain, make_base(0.125), out, "configs/rl_smollm2.py", (), keep)
     assert len(launches) == n
 
 
@@ -149,7 +149,7 @@ def test_a_run_directory_of_another_launch_does_not_hide_a_kept_arm(tmp_path, mo
     launch only; a run directory recorded without a key is never kept."""
     import json
 
-    from experiments import common
+    from experiments import arms
 
     launches = []
 
@@ -160,22 +160,22 @@ def test_a_run_directory_of_another_launch_does_not_hide_a_kept_arm(tmp_path, mo
         (wd / "rl" / "metrics.jsonl").write_text('{"step": 1}\n')
         return {}
 
-    monkeypatch.setattr(common, "launch", fake_launch)
+    monkeypatch.setattr(arms, "launch", fake_launch)
     base = tmp_path / "base"
     (base / "mtp").mkdir(parents=True)
-    arm, keep, out = common.Arm("spec", "speculative"), tmp_path / "kept", tmp_path / "out"
-    common.run_arm(arm, base, out, "configs/rl_smollm2.py", (), keep)
-    common.run_arm(arm, base, out, "configs/rl_smollm2.py", ("rl.steps=2",))  # a smoke run
+    arm, keep, out = arms.Arm("spec", "speculative"), tmp_path / "kept", tmp_path / "out"
+    arms.run_arm(arm, base, out, "configs/rl_smollm2.py", (), keep)
+    arms.run_arm(arm, base, out, "configs/rl_smollm2.py", ("rl.steps=2",))  # a smoke run
     assert len(launches) == 2
-    res = common.run_arm(arm, base, out, "configs/rl_smollm2.py", (), keep)
+    res = arms.run_arm(arm, base, out, "configs/rl_smollm2.py", (), keep)
     assert len(launches) == 2 and res.summary == {"n": 1}
     # another study borrows the kept arm of the same launch (not one of another setting)
     other_study = tmp_path / "other"
-    lent = common.run_arm(
+    lent = arms.run_arm(
         arm, base, other_study, "configs/rl_smollm2.py", (), other_study / "k", borrow=(keep,)
     )
     assert len(launches) == 2 and lent.summary == {"n": 1}
-    common.run_arm(
+    arms.run_arm(
         arm,
         base,
         other_study,
@@ -186,12 +186,12 @@ def test_a_run_directory_of_another_launch_does_not_hide_a_kept_arm(tmp_path, mo
     )
     assert len(launches) == 3
     # a finished directory recorded before launches were: reused as it is, but not kept
-    other = common.Arm("legacy", "legacy")
+    other = arms.Arm("legacy", "legacy")
     (out / "legacy" / "rl").mkdir(parents=True)
     (out / "legacy" / "rl" / "summary.json").write_text("{}")
     (out / "legacy" / "rl" / "metrics.jsonl").write_text('{"step": 1}\n')
     (out / "legacy" / "arm.json").write_text(json.dumps({"wall_s": 1.0}))
-    assert common.run_arm(other, base, out, "configs/rl_smollm2.py", (), keep).wall_s == 1.0
+    assert arms.run_arm(other, base, out, "configs/rl_smollm2.py", (), keep).wall_s == 1.0
     assert len(launches) == 3 and not (keep / "legacy.json").exists()
 
 
@@ -206,7 +206,7 @@ def test_rerun_launches_a_finished_or_kept_arm_again_and_keeps_the_new_run(
     import json
     import shutil
 
-    from experiments import common
+    from experiments import arms, common
 
     launches = []
 
@@ -222,7 +222,7 @@ def test_rerun_launches_a_finished_or_kept_arm_again_and_keeps_the_new_run(
         (wd / "rl").mkdir(parents=True)
         raise KeyboardInterrupt
 
-    monkeypatch.setattr(common, "launch", fake_launch)
+    monkeypatch.setattr(arms, "launch", fake_launch)
     monkeypatch.setattr(common, "KEPT", tmp_path / "kept")
     base, out = tmp_path / "base", tmp_path / "exp_rl_speed_smollm2"
     (base / "mtp").mkdir(parents=True)
@@ -244,10 +244,10 @@ def test_rerun_launches_a_finished_or_kept_arm_again_and_keeps_the_new_run(
     again, names = args_of("--arms", "plain", "--rerun", "plain")
     assert again.rerun_arms == ("plain",)
     # interrupted: the earlier run stays kept (and in plain.before_rerun), taken without --rerun
-    monkeypatch.setattr(common, "launch", interrupted)
+    monkeypatch.setattr(arms, "launch", interrupted)
     with pytest.raises(KeyboardInterrupt):
         common.study2_arms(names, base, out, again)
-    monkeypatch.setattr(common, "launch", fake_launch)
+    monkeypatch.setattr(arms, "launch", fake_launch)
     assert json.loads(kept.read_text())["summary"] == {"n": 1}
     assert (out / "plain.before_rerun" / "rl" / "summary.json").exists()
     assert common.study2_arms(names, base, out, once)["plain"].summary == {"n": 1}
@@ -267,7 +267,7 @@ def test_rerun_launches_a_finished_or_kept_arm_again_and_keeps_the_new_run(
     arm = common.STUDY2_ARMS["plain"]
     extra = common.MODELS["smollm2"].extra
     config = common.MODELS["smollm2"].config
-    reported = common.run_arm(arm, base, out, config, extra, kept.parent, False, rerun=True)
+    reported = arms.run_arm(arm, base, out, config, extra, kept.parent, False, rerun=True)
     assert reported.summary == {"n": 4} and len(launches) == n
     # study2_chosen: the rerun arm launches once, the study's other arms are only reported
     assert list(common.study2_chosen(names, known, base, out, again)) == ["plain"]
@@ -282,6 +282,78 @@ def test_rerun_launches_a_finished_or_kept_arm_again_and_keeps_the_new_run(
         with pytest.raises(SystemExit):
             args_of(*argv)
         assert f"--rerun: {why}" in capsys.readouterr().err
+
+
+def test_an_acceptance_study_resumes_an_interrupted_arm_and_borrows_timed_ones(
+    tmp_path, monkeypatch
+):
+    """experiments.arms.run_arm with `resume_every` (mtp_in_rl: no wall times compared): the RL
+    stage checkpoints every that many steps; a launch killed after a checkpoint is launched again
+    into the same directory (its checkpoint kept: the RL stage resumes from it), recording the
+    steps it resumed from and no wall time; a timed study (no `resume_every`) or `--rerun` starts
+    it over; the cadence is not part of the kept key, so an arm a timed study kept is borrowed."""
+    import argparse
+    import json
+
+    from experiments import arms, common
+
+    seen = []  # (arm, checkpoint steps found on entry, overrides)
+
+    def launch_until(killed_at):
+        def launch(config, wd, overrides):
+            ckpt = wd / "rl" / "ckpt"
+            seen.append((wd.name, sorted(p.name for p in ckpt.glob("*")), list(overrides)))
+            if killed_at is not None:
+                (ckpt / str(killed_at)).mkdir(parents=True)
+                (ckpt / f"{killed_at + 10}.orbax-checkpoint-tmp-1").mkdir()  # a torn save
+                raise KeyboardInterrupt
+            (wd / "rl" / "summary.json").write_text(json.dumps({"n": len(seen)}))
+            (wd / "rl" / "metrics.jsonl").write_text('{"step": 1, "time": 5.0}\n')
+            return {}
+
+        return launch
+
+    monkeypatch.setattr(common, "KEPT", tmp_path / "kept")
+    base, out = tmp_path / "base", tmp_path / "exp_mtp_in_rl_smollm2"
+    (base / "mtp").mkdir(parents=True)
+    args = argparse.Namespace(model="smollm2", runlocal=False, set=[], rerun_arms=())
+    rerun = argparse.Namespace(**{**vars(args), "rerun_arms": ("online_ce",)})
+
+    def study(argv=args, killed_at=None, resume_every=10, borrow=()):
+        monkeypatch.setattr(arms, "launch", launch_until(killed_at))
+        return common.study2_arms(("online_ce",), base, out, argv, True, borrow, resume_every)
+
+    with pytest.raises(KeyboardInterrupt):
+        study(killed_at=10)
+    assert seen[-1][1] == [] and "ckpt.every=10" in seen[-1][2]
+    # a study that times its arms starts it over (and without the cadence); so does the
+    # resuming study after that launch (another launch's directory)
+    for every in (0, 10):
+        with pytest.raises(KeyboardInterrupt):
+            study(resume_every=every, killed_at=10)
+        assert seen[-1][1] == [] and ("ckpt.every=10" in seen[-1][2]) == bool(every)
+    with pytest.raises(KeyboardInterrupt):
+        study(killed_at=20)  # resumed at 10, killed again after step 20's checkpoint
+    assert seen[-1][1] == ["10", "20.orbax-checkpoint-tmp-1"]
+    res = study()["online_ce"]
+    assert "20" in seen[-1][1] and res.summary == {"n": 5} and res.wall_s is None
+    kept = json.loads((tmp_path / "kept" / out.name / "online_ce.json").read_text())
+    assert kept["resumed_from"] == [10, 20] and kept["wall_s"] is None
+    assert kept["key"]["config"]["ckpt"]["every"] != 10  # the cadence is outside the key
+    # --rerun starts over (the finished run set aside, taken back after an interruption)
+    with pytest.raises(KeyboardInterrupt):
+        study(rerun, killed_at=10)
+    assert seen[-1][1] == []
+    assert study()["online_ce"].summary == {"n": 5} and len(seen) == 6
+    # an arm a timed study kept (no checkpoint cadence) is borrowed by the resuming study
+    timed = tmp_path / "timed_kept"
+    (timed / "online_ce.json").parent.mkdir()
+    (timed / "online_ce.json").write_text(
+        (tmp_path / "kept" / out.name / "online_ce.json").read_text()
+    )
+    (tmp_path / "kept" / out.name / "online_ce.json").unlink()
+    (out / "online_ce" / "rl" / "summary.json").unlink()
+    assert study(borrow=(timed,))["online_ce"].summary == {"n": 5} and len(seen) == 6
 
 
 @pytest.mark.parametrize(
@@ -334,7 +406,7 @@ def test_predict_takes_kept_arms_of_the_same_base_only(tmp_path, monkeypatch):
 
     import pytest
 
-    from experiments import common
+    from experiments import arms, common
     from experiments.e2e_speedup import predict
 
     def make_base(name, final_loss):
@@ -349,7 +421,7 @@ def test_predict_takes_kept_arms_of_the_same_base_only(tmp_path, monkeypatch):
     root = tmp_path / "exp"
     common.kept_dir(root).mkdir(parents=True)
     for name, base in (("plain", same), ("spec", other)):
-        kept = {"key": {"base": common.base_identity(base)}, "config": {"n": name}, "records": []}
+        kept = {"key": {"base": arms.base_identity(base)}, "config": {"n": name}, "records": []}
         (common.kept_dir(root) / f"{name}.json").write_text(json.dumps(kept))
     assert predict.kept_of(root, same) == ["plain"]
     assert predict.arm_run(root, "plain", same) == ({"n": "plain"}, [])
@@ -376,10 +448,10 @@ def test_plain_arms_of_a_model_without_sft_need_no_trained_base(tmp_path, monkey
 
     import launch
     from bebop import config as config_lib
-    from experiments import common
+    from experiments import arms, common
 
     launched = []
-    monkeypatch.setattr(common, "launch", lambda config, wd, o: launched.append((config, wd)))
+    monkeypatch.setattr(arms, "launch", lambda config, wd, o: launched.append((config, wd)))
     args = argparse.Namespace(model="smollm2", base=str(tmp_path / "b"), out=None, runlocal=False)
     base, _ = common.study2_base(args, "timed_root", ["plain_compact", "plain"])
     assert not launched and base == (tmp_path / "b").absolute()
@@ -447,7 +519,7 @@ def test_arms_flag_runs_a_studys_arms_in_the_given_order_and_names_unknown_ones(
 def test_growmtp_reports_a_head_before_its_plain_arm_ran():
     """experiments.growmtp.run.row: without a plain arm the times are not compared, the
     acceptance still is."""
-    from experiments import common
+    from experiments import arms
     from experiments.growmtp.run import row
 
     recs = [
@@ -460,7 +532,7 @@ def test_growmtp_reports_a_head_before_its_plain_arm_ran():
         }
         for s in range(1, 13)
     ]
-    arm = common.ArmResult(common.Arm("grow", "grow"), {"accuracy_after": 0.5}, recs, None)
+    arm = arms.ArmResult(arms.Arm("grow", "grow"), {"accuracy_after": 0.5}, recs, None)
     r = row(arm, None, window=5)
     assert (
         r["step_s_ratio"] == r["rollout_s_ratio"] == {"not_compared": "the plain arm has not run"}
@@ -473,7 +545,7 @@ def test_growmtp_reports_a_head_before_its_plain_arm_ran():
 def test_growmtp_says_how_many_tokens_each_arm_sampled_beside_its_times():
     """experiments.growmtp.run.row: an arm whose steps take 9 s against plain's 10 s while
     sampling 0.75 of plain's tokens (step 1 left out) is 0.9x plain per step, tokens 0.75x."""
-    from experiments import common
+    from experiments import arms
     from experiments.growmtp.run import row
 
     def arm(name, step_s, tokens):
@@ -488,7 +560,7 @@ def test_growmtp_says_how_many_tokens_each_arm_sampled_beside_its_times():
             }
             for s in range(1, 13)
         ]
-        return common.ArmResult(common.Arm(name, name), {"accuracy_after": 0.5}, recs, None)
+        return arms.ArmResult(arms.Arm(name, name), {"accuracy_after": 0.5}, recs, None)
 
     r = row(arm("spec", 9.0, 300), arm("plain", 10.0, 400), window=5)
     assert r["step_s_ratio"]["all"] == pytest.approx(0.9)
@@ -535,10 +607,10 @@ def test_arms_that_drafted_with_different_pre_rl_mtps_are_not_compared():
     """experiments.common.one_pre_rl_mtp: arms reported beside a config-only base may come from
     different trained bases; two MTP outcomes among a study's arms are refused by name, arms
     without a pre-RL MTP (plain, GrowMTP from scratch) never conflict."""
-    from experiments import common
+    from experiments import arms, common
 
     def arm(name, mtp):
-        return common.ArmResult(common.Arm(name, name), {}, [], None, {}, mtp)
+        return arms.ArmResult(arms.Arm(name, name), {}, [], None, {}, mtp)
 
     one = {"steps_run": 2100, "final_loss": 0.61}
     common.one_pre_rl_mtp({"plain": arm("plain", None), "a": arm("a", one), "b": arm("b", one)})
@@ -551,16 +623,16 @@ def test_a_study_launches_the_chosen_arms_and_only_reports_the_others(monkeypatc
     """experiments.common.study2_chosen: the `--arms` arms may launch, the study's other arms
     are only reported (launch_missing=False; an arm neither finished nor kept is left out), in
     the study's order."""
-    from experiments import common
+    from experiments import arms, common
 
     calls = []
 
-    def fake(names, base, root, args, launch_missing=True, borrow=()):
-        calls.append((tuple(names), launch_missing, borrow))
+    def fake(names, base, root, args, launch_missing=True, borrow=(), resume_every=0):
+        calls.append((tuple(names), launch_missing, borrow, resume_every))
         have = {"b", "c"} if launch_missing else {"a"}  # "d": neither finished nor kept
-        return {n: common.ArmResult(common.Arm(n, n), {}, [], None) for n in names if n in have}
+        return {n: arms.ArmResult(arms.Arm(n, n), {}, [], None) for n in names if n in have}
 
     monkeypatch.setattr(common, "study2_arms", fake)
-    got = common.study2_chosen(("c", "b"), ("a", "b", "c", "d"), None, None, None, ("k",))
+    got = common.study2_chosen(("c", "b"), ("a", "b", "c", "d"), None, None, None, ("k",), 10)
     assert list(got) == ["a", "b", "c"]
-    assert calls == [(("c", "b"), True, ("k",)), (("a", "d"), False, ("k",))]
+    assert calls == [(("c", "b"), True, ("k",), 10), (("a", "d"), False, ("k",), 0)]

@@ -48,7 +48,7 @@ from pathlib import Path
 os.environ.setdefault("XLA_PYTHON_CLIENT_PREALLOCATE", "false")
 
 from experiments import mtp_arms
-from experiments.common import REPO
+from experiments.arms import REPO
 
 HERE = Path(__file__).resolve().parent
 ARMS_DIR = HERE / "arms"

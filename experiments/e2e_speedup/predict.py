@@ -68,7 +68,7 @@ from bebop.rl import learner, loop
 from bebop.rl import rollouts as rl_rollouts
 from bebop.train import TrainState, make_optimizer
 from benchmarks.common import load_models
-from experiments import common
+from experiments import arms, common
 
 HERE = Path(__file__).resolve().parent
 
@@ -103,11 +103,11 @@ class Setup:
 def load(base: Path, model_name: str, config: str) -> Setup:
     """The base run's policy and MTP (`benchmarks.common.load_models`) and the RL batch's
     prompts (`rl.rollouts.Rollouts`: batch 0, padded to the run's width). A base whose MTP has
-    not trained here (SmolLM2's base as only its config: `common.base_run(config_only=True)`)
+    not trained here (SmolLM2's base as only its config: `arms.base_run(config_only=True)`)
     times random weights of its `mtp` section's shape -- layers, depth, features and draft
     vocabulary size: the loops' seconds do not depend on the weights' values (EOS is off)."""
     mesh = sharding.make_mesh(config_lib.MeshConfig(data=1), jax.devices()[:1])
-    cfg = config_lib.load(str(common.REPO / config))[0]
+    cfg = config_lib.load(str(arms.REPO / config))[0]
     ckpt, shape = base / "mtp" / "ckpt", None
     if not (base / "mtp" / "summary.json").exists():  # as `same_base` tells an untrained MTP
         if model_name == "demo":
@@ -322,12 +322,12 @@ def arm_steps(records: list[dict], spec: costs.ArmSpec, derived: bool, learner_s
 
 
 def same_base(kept: dict, base: Path) -> bool:
-    """Whether a kept arm ran from a base identical to `base` (`common.base_identity`; an arm
+    """Whether a kept arm ran from a base identical to `base` (`arms.base_identity`; an arm
     that never drafted with the base's MTP does not depend on it), or from a trained base of the
     config of `base` whose MTP has not trained here (its costs are timed on random weights of
     the same shape, `load`)."""
     have = kept.get("key", {}).get("base") or {}
-    here = common.base_identity(base, have.get("mtp") is not None)
+    here = arms.base_identity(base, have.get("mtp") is not None)
     return have == (dict(here, mtp=have.get("mtp")) if here["mtp"] is None else here)
 
 
@@ -410,8 +410,8 @@ def main(argv=None):
         raise SystemExit(f"--out {root}: no finished arm (*/rl/summary.json), none kept")
     t0 = time.perf_counter()
     measured = measure(base, "demo" if args.model == "demo" else "smollm2", config, args.repeats)
-    arms = {n: predict_arm(*arm_run(root, n, base), measured, args.sims) for n in names}
-    for n, a in arms.items():
+    predicted = {n: predict_arm(*arm_run(root, n, base), measured, args.sims) for n in names}
+    for n, a in predicted.items():
         print(
             f"{n:24s} RL {a['measured_s']:8.1f} s measured, {a['predicted_s']:8.1f} s predicted "
             f"({a['pred_error']:+.1%}); rollouts {a['measured_rollout_s']:7.1f} s vs "
@@ -421,7 +421,7 @@ def main(argv=None):
     path = Path(args.results) if args.results else common.outputs(args, HERE, root) / m.results
     res = json.loads(path.read_text()) if path.exists() else {}
     res.setdefault("arms", {})
-    for n, a in arms.items():
+    for n, a in predicted.items():
         res["arms"].setdefault(n, {}).update(
             {k: a[k] for k in ("measured_s", "predicted_s", "pred_error")},
             measured_rollout_s=a["measured_rollout_s"],
@@ -433,8 +433,8 @@ def main(argv=None):
         "command": " ".join(["python", "-m", "experiments.e2e_speedup.predict", *argv]),
         "date": time.strftime("%Y-%m-%d", time.gmtime()),
         "measured_inputs": measured,
-        "arms": arms,
-        "max_abs_pred_error": max(abs(a["pred_error"]) for a in arms.values()),
+        "arms": predicted,
+        "max_abs_pred_error": max(abs(a["pred_error"]) for a in predicted.values()),
         "wall_s": time.perf_counter() - t0,
     }
     common.write_json(path, res)

@@ -66,7 +66,7 @@ from bebop import (
 )
 from bebop import config as config_lib
 from benchmarks.common import load_models
-from experiments import common
+from experiments import arms, common
 
 HERE = Path(__file__).resolve().parent
 ARMS = ("plain_sync", "frozen_rs_sync", "plain", "frozen_rs", "plain_compact", "frozen_rs_compact")
@@ -78,12 +78,12 @@ SMOLLM2_SYNC = ("plain_sync", "plain_compact_sync", "frozen_rs_compact_sync")
 PAPER = {"bebop_e2e": "up to 1.8x", "growmtp_e2e": "1.60x (rollout 2.13x)"}
 
 
-def _after_1(res: common.ArmResult, key: str) -> float:
+def _after_1(res: arms.ArmResult, key: str) -> float:
     """Sum of `key` over steps 2.. (0 where never recorded)."""
     return float(res.series(key)[1][1:].sum())
 
 
-def timing(res: common.ArmResult) -> dict:
+def timing(res: arms.ArmResult) -> dict:
     _, dt = common.step_times(res)
     return {
         "rl_s_after_step_1": float(dt.sum()),
@@ -106,7 +106,7 @@ def timing(res: common.ArmResult) -> dict:
     }
 
 
-def curves(res: common.ArmResult) -> dict:
+def curves(res: arms.ArmResult) -> dict:
     """Per-step series of one arm: accept length and per-position acceptance (speculative
     arms), the greedy accuracy curve (step, accuracy), and the rollout share of each step."""
     out = {}
@@ -170,7 +170,7 @@ def weight_reads(tokens: int) -> float:
     return max(1.0, tokens / RIDGE)
 
 
-def cost_model(base: Path, frozen: common.ArmResult, plain_sync: dict, gamma: int) -> dict:
+def cost_model(base: Path, frozen: arms.ArmResult, plain_sync: dict, gamma: int) -> dict:
     """Measured loop costs at the RL batch, the CPU model's rollout speedup, and the GPU
     projection (see the module docstring). Tokens per verify: the run's measured accept length
     (the geometric formula over the per-position acceptance is a cross-check: it ignores cycles
@@ -242,7 +242,7 @@ def cost_model(base: Path, frozen: common.ArmResult, plain_sync: dict, gamma: in
     }
 
 
-def accuracy_figure(path: Path, results: dict[str, common.ArmResult], window: int, setting: str):
+def accuracy_figure(path: Path, results: dict[str, arms.ArmResult], window: int, setting: str):
     """Sampled reward (running mean) and greedy accuracy, vs step and vs RL wall-clock, every
     arm on one figure (2 x 2 panels)."""
     import matplotlib.pyplot as plt
@@ -273,7 +273,7 @@ def accuracy_figure(path: Path, results: dict[str, common.ArmResult], window: in
     plt.close(fig)
 
 
-def figures(results: dict[str, common.ArmResult], window: int, where: Path = HERE) -> None:
+def figures(results: dict[str, arms.ArmResult], window: int, where: Path = HERE) -> None:
     curves = {}
     for r in results.values():
         step, reward = r.series("reward_mean")
@@ -288,7 +288,7 @@ def figures(results: dict[str, common.ArmResult], window: int, where: Path = HER
     )
 
 
-def run_arms(names, base: Path, root: Path, args) -> dict[str, common.ArmResult]:
+def run_arms(names, base: Path, root: Path, args) -> dict[str, arms.ArmResult]:
     """The arms one after the other; after each, its figures are written to the model's
     results file (`arms`: a later launch reuses every finished or kept arm, so the study can be
     run in parts)."""

@@ -45,7 +45,7 @@ from bebop import (
     speculative,
 )
 from bebop import config as config_lib
-from experiments.common import launch, link_tree
+from experiments.arms import launch, link_tree
 
 REPO = Path(__file__).resolve().parents[2]
 HERE = Path(__file__).resolve().parent

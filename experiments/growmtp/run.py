@@ -37,7 +37,7 @@ from pathlib import Path
 import numpy as np
 
 from bebop import costs, plots
-from experiments import common
+from experiments import arms, common
 
 HERE = Path(__file__).resolve().parent
 ARMS = ("plain", "grow_scratch", "frozen_rs", "grow_pretrained")
@@ -68,13 +68,13 @@ def ratio_vs_plain(step, t, pstep, pt, window: int) -> dict:
     }
 
 
-def after_step_1(res: common.ArmResult, key: str):
+def after_step_1(res: arms.ArmResult, key: str):
     """(step, value) of `key` from step 2 on (step 1 also compiles)."""
     step, y = res.series(key)
     return step[1:], y[1:]
 
 
-def pays_by_cost_model(res: common.ArmResult, costs_file: Path, window: int) -> dict:
+def pays_by_cost_model(res: arms.ArmResult, costs_file: Path, window: int) -> dict:
     """The step from which the arm's running-mean accept length stays at or above the cost
     model's break-even (`costs.break_even_accept_len` at the full batch and `rollout.num_draft`,
     from the per-bucket costs `experiments.e2e_speedup.predict` measured and wrote to
@@ -93,7 +93,7 @@ def pays_by_cost_model(res: common.ArmResult, costs_file: Path, window: int) -> 
     return {"break_even_accept_len": need, "batch": batch, "gamma": gamma, "pays_from_step": first}
 
 
-def row(res: common.ArmResult, plain: common.ArmResult | None, window: int) -> dict:
+def row(res: arms.ArmResult, plain: arms.ArmResult | None, window: int) -> dict:
     """A speculative arm's acceptance and reward, and its times over the plain arm's where the
     plain arm ran beside it (`None`: not run yet, times not compared). RL runs that sample
     differently drift to different response lengths: beside the ratios of times, the ratio of
@@ -131,7 +131,7 @@ def row(res: common.ArmResult, plain: common.ArmResult | None, window: int) -> d
 
 
 def figures(
-    results: dict[str, common.ArmResult], window: int, model: str = "demo", where: Path = HERE
+    results: dict[str, arms.ArmResult], window: int, model: str = "demo", where: Path = HERE
 ) -> None:
     setting = f"{common.MODELS[model].setting}; running mean of {window} steps"
     suffix = "" if model == "demo" else f"_{model}"

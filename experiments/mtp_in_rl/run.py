@@ -20,7 +20,9 @@ in `runs/exp_mtp_in_rl/<arm>/` and are reused when finished. `--model smollm2`: 
 arm a timed study kept from the same launch (`frozen_rs`, by `experiments.growmtp`) is taken
 from its kept JSON (no run directory here). `--arms`: run only these (the others enter the
 results where finished or kept); `--rerun`: run these again although finished or kept
-(`frozen_rs` then in this study's own directory, not taken from the timed study's). Figures
+(`frozen_rs` then in this study's own directory, not taken from the timed study's). An arm
+interrupted mid-run (killed, or the machine gone) resumes from its newest checkpoint (every 10
+RL steps) when the same command runs again; `--rerun` starts it over. Figures
 and `results.json` land next to this file (`--runlocal` / `--set`: under `<out>/results/`).
 Last line: one JSON object.
 """
@@ -32,10 +34,11 @@ import time
 from pathlib import Path
 
 from bebop import plots
-from experiments import common
+from experiments import arms, common
 
 HERE = Path(__file__).resolve().parent
 ARMS = ("frozen_rs", "online_ce", "online_tv", "to_online_ce")
+RESUME_EVERY = 10  # RL steps between an arm's checkpoints (`arms.run_arm`'s resume_every)
 # study 1's fits per model (SmolLM2: with the recipe's MTP, the one its RL arms draft with)
 STUDY1 = {
     "demo": HERE.parent / "entropy_acceptance" / "results_demo.json",
@@ -43,13 +46,13 @@ STUDY1 = {
 }
 
 
-def entropy_slope(arm: common.Arm, study1: dict) -> tuple[str, float]:
+def entropy_slope(arm: arms.Arm, study1: dict) -> tuple[str, float]:
     """(study 1 fit used, acceptance per nat) for the arm's verification rule."""
     fit = "TO-CE" if arm.rule == "target_only" else "RS-TV"
     return fit, float(study1["drafts"][fit]["slope"])
 
 
-def decompose(res: common.ArmResult, study1: dict, n: int = 10) -> dict:
+def decompose(res: arms.ArmResult, study1: dict, n: int = 10) -> dict:
     """Acceptance and entropy over the first and last `n` steps; the acceptance change split into
     slope x entropy change (explained by the policy's entropy) and the rest."""
     fit, slope = entropy_slope(res.arm, study1)
@@ -83,7 +86,7 @@ def decompose(res: common.ArmResult, study1: dict, n: int = 10) -> dict:
 
 
 def figures(
-    results: dict[str, common.ArmResult], window: int, model: str = "demo", where: Path = HERE
+    results: dict[str, arms.ArmResult], window: int, model: str = "demo", where: Path = HERE
 ) -> None:
     setting = f"{common.MODELS[model].setting}; running mean of {window} steps"
     suffix = "" if model == "demo" else f"_{model}"
@@ -143,7 +146,10 @@ def main():
     base, root = common.study2_base(args, "study2_root", names)
     # an arm the timed studies ran (e.g. frozen_rs in growmtp) is the same run: taken from them
     timed = common.kept_dir(common.MODELS[args.model].timed_root)
-    results = common.study2_chosen(names, ARMS, base, root, args, borrow=(timed,))
+    # no wall time is compared here: an interrupted arm resumes from its last 10-step checkpoint
+    results = common.study2_chosen(
+        names, ARMS, base, root, args, borrow=(timed,), resume_every=RESUME_EVERY
+    )
     study1 = json.loads(STUDY1[args.model].read_text())
     rows = {n: decompose(r, study1, args.window) for n, r in results.items()}
     out = common.outputs(args, HERE, root)

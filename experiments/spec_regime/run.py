@@ -43,13 +43,13 @@ from pathlib import Path
 
 import numpy as np
 
-from experiments import common
+from experiments import arms, common
 
 HERE = Path(__file__).resolve().parent
 CONFIG = "configs/rl_smollm2.py"
 ARMS = (
-    common.Arm("plain", "plain, tail-aware", ("rollout.mode='plain'",), False),
-    common.Arm("spec", "frozen MTP, RS, tail-aware, derived draft table"),
+    arms.Arm("plain", "plain, tail-aware", ("rollout.mode='plain'",), False),
+    arms.Arm("spec", "frozen MTP, RS, tail-aware, derived draft table"),
 )
 # every arm: async tail-aware GRPO, no evaluation during RL, no end-of-RL speed comparison
 EXTRA = ("rollout.compact=True", "rl.eval_every=0", "rl.eval_samples=16", "rl.speedup_repeats=0")
@@ -79,7 +79,7 @@ def overrides(prompts: int, group: int, budget: int, steps: int) -> tuple[str, .
     )
 
 
-def arm_figures(res: common.ArmResult) -> dict:
+def arm_figures(res: arms.ArmResult) -> dict:
     """RL time after step 1 and its split, tokens, acceptance."""
     _, dt = common.step_times(res)
 
@@ -132,7 +132,7 @@ def main(argv=None):
     if args.steps < 3:
         raise SystemExit(f"--steps {args.steps}: at least 3 (step 1 compiles and is not timed)")
     local = ":runlocal" if args.runlocal else ""
-    base = common.base_run(Path(args.base), "configs/mtp_smollm2.py" + local, ("distill", "mtp"))
+    base = arms.base_run(Path(args.base), "configs/mtp_smollm2.py" + local, ("distill", "mtp"))
     path = Path(args.results)
     out = json.loads(path.read_text()) if path.exists() else {}
     out.update(study="spec_regime", model="smollm2", base=str(base), steps=args.steps)
@@ -144,7 +144,7 @@ def main(argv=None):
         root = Path(args.out) / text.replace(":", "_")
         figs = {}
         for arm in ARMS:
-            res = common.run_arm(arm, base, root, CONFIG + local, extra)
+            res = arms.run_arm(arm, base, root, CONFIG + local, extra)
             figs[arm.name] = arm_figures(res)
             entry = {"rows": prompts * group, "group": group, "budget": budget, "arms": figs}
             if len(figs) == len(ARMS):
