@@ -16,10 +16,13 @@ import dataclasses
 import json
 import os
 import shutil
+import signal
 import subprocess
 import sys
+import threading
 import time
 from pathlib import Path
+from subprocess import PIPE
 
 from bebop import io, plots
 
@@ -28,13 +31,29 @@ REPO = Path(__file__).resolve().parents[1]
 
 def launch(config: str, workdir: Path, overrides=()) -> dict:
     """Runs `launch.py --config config --workdir workdir --config.<o>...`; returns its final JSON
-    line. A failed run raises with the command and the tail of its stderr."""
+    line. A failed run raises with the command and the tail of its stderr (`run_child`)."""
     cmd = [sys.executable, "launch.py", "--config", config, "--workdir", str(workdir)]
     cmd += [f"--config.{o}" for o in overrides]
-    out = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True)
-    if out.returncode:
-        raise RuntimeError(f"{' '.join(cmd)} failed (exit {out.returncode}):\n{out.stderr[-3000:]}")
-    return json.loads(out.stdout.strip().splitlines()[-1])
+    return json.loads(run_child(cmd).strip().splitlines()[-1])
+
+
+def run_child(cmd: list[str]) -> str:
+    """Runs `cmd` in the repository, returns its stdout; a non-zero exit raises naming the
+    command, its exit status and the tail of its stderr. A SIGTERM to this process is passed on
+    to the child and its end awaited, so that a launch stopped with the study saves its
+    checkpoint (`launch.py` exits 143 after saving) instead of losing its work to a closed
+    pipe."""
+    child = subprocess.Popen(cmd, cwd=REPO, stdout=PIPE, stderr=PIPE, text=True)
+    main = threading.current_thread() is threading.main_thread()
+    earlier = signal.signal(signal.SIGTERM, lambda n, _: child.send_signal(n)) if main else None
+    try:
+        out, err = child.communicate()
+    finally:
+        if main and earlier is not None:
+            signal.signal(signal.SIGTERM, earlier)
+    if child.returncode:
+        raise RuntimeError(f"{' '.join(cmd)} failed (exit {child.returncode}):\n{err[-3000:]}")
+    return out
 
 
 def link_tree(src: Path, dst: Path) -> None:

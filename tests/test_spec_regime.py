@@ -356,6 +356,45 @@ def test_an_acceptance_study_resumes_an_interrupted_arm_and_borrows_timed_ones(
     assert study(borrow=(timed,))["online_ce"].summary == {"n": 5} and len(seen) == 6
 
 
+def test_a_study_stopped_by_sigterm_lets_its_launch_save_first(tmp_path):
+    """experiments.arms.run_child passes a SIGTERM on to the launch it waits for and waits for
+    its end: the child's SIGTERM handler (launch.py's: save a checkpoint, exit 143) runs, and the
+    study fails naming the exit status. (Without it the study dies at once and the child is
+    never told.) A child that prints, sleeps up to 30 s, and on SIGTERM writes a file."""
+    import signal
+    import subprocess
+    import sys
+    import time
+
+    saved, ready = tmp_path / "saved", tmp_path / "ready"
+    child = (
+        "import signal, sys, time\n"
+        f"signal.signal(signal.SIGTERM, lambda *a: (open({str(saved)!r}, 'w').write('ok'), "
+        "sys.exit(143)))\n"
+        f"open({str(ready)!r}, 'w').write('ok')\n"
+        "for _ in range(300):\n    print('step', flush=True); time.sleep(0.1)\n"
+    )
+    study = subprocess.Popen(
+        [
+            sys.executable,
+            "-c",
+            f"from experiments import arms; arms.run_child({[sys.executable, '-c', child]!r})",
+        ],
+        stderr=subprocess.PIPE,
+        text=True,
+    )
+    deadline = time.monotonic() + 60
+    while not ready.exists() and time.monotonic() < deadline:
+        time.sleep(0.1)
+    assert ready.exists(), "the child never started"
+    t0 = time.monotonic()
+    study.send_signal(signal.SIGTERM)
+    err = study.communicate(timeout=60)[1]
+    assert saved.read_text() == "ok"  # the child's handler ran
+    assert study.returncode == 1 and "failed (exit 143)" in err
+    assert time.monotonic() - t0 < 20  # not the child's full 30 s
+
+
 @pytest.mark.parametrize(
     "argv, names, rerun",
     [
