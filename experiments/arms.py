@@ -39,20 +39,33 @@ def launch(config: str, workdir: Path, overrides=()) -> dict:
 
 def run_child(cmd: list[str]) -> str:
     """Runs `cmd` in the repository, returns its stdout; a non-zero exit raises naming the
-    command, its exit status and the tail of its stderr. A SIGTERM to this process is passed on
-    to the child and its end awaited, so that a launch stopped with the study saves its
-    checkpoint (`launch.py` exits 143 after saving) instead of losing its work to a closed
-    pipe."""
-    child = subprocess.Popen(cmd, cwd=REPO, stdout=PIPE, stderr=PIPE, text=True)
+    command, its exit status and the tail of its stderr. In the main thread a SIGTERM to this
+    process is passed on to the child and its end awaited, so that a launch stopped with the
+    study saves its checkpoint (`launch.py` exits 143 after saving) instead of losing its work
+    to a closed pipe; then this process's own SIGTERM handler runs (by default: it ends)."""
+    child: list[subprocess.Popen] = []
+    stopped: list[int] = []
+
+    def forward(signum, _frame):
+        stopped.append(signum)
+        for c in child:
+            c.send_signal(signum)
+
     main = threading.current_thread() is threading.main_thread()
-    earlier = signal.signal(signal.SIGTERM, lambda n, _: child.send_signal(n)) if main else None
+    earlier = signal.signal(signal.SIGTERM, forward) if main else None
     try:
-        out, err = child.communicate()
+        child.append(subprocess.Popen(cmd, cwd=REPO, stdout=PIPE, stderr=PIPE, text=True))
+        if stopped:  # a SIGTERM before the child existed
+            child[0].send_signal(signal.SIGTERM)
+        out, err = child[0].communicate()
     finally:
-        if main and earlier is not None:
-            signal.signal(signal.SIGTERM, earlier)
-    if child.returncode:
-        raise RuntimeError(f"{' '.join(cmd)} failed (exit {child.returncode}):\n{err[-3000:]}")
+        if main:
+            signal.signal(signal.SIGTERM, signal.SIG_DFL if earlier is None else earlier)
+    if stopped:
+        signal.raise_signal(signal.SIGTERM)
+    if child[0].returncode:
+        code = child[0].returncode
+        raise RuntimeError(f"{' '.join(cmd)} failed (exit {code}):\n{err[-3000:]}")
     return out
 
 
@@ -162,10 +175,13 @@ def kept_key(config: str, overrides, base: Path, mtp: bool = True) -> dict:
     return {"config": json.loads(resolved), "base": base_identity(base, mtp)}
 
 
-def kept_arm(keep: Path, arm: Arm, key: dict, report: bool = False) -> ArmResult | None:
+def kept_arm(
+    keep: Path, arm: Arm, key: dict, report: bool = False, resumed: bool = True
+) -> ArmResult | None:
     """The arm kept in `keep` (`keep_arm`) if it ran the launch `key` (an unreadable file counts
     as none); `report` (the arm is reported, not launched): also one kept from a trained base of
-    the config whose MTP `key`'s base has not trained (`untrained_base_match`)."""
+    the config whose MTP `key`'s base has not trained (`untrained_base_match`); `resumed=False`:
+    not one that resumed after an interruption (its step times span the gap)."""
     path = Path(keep) / f"{arm.name}.json"
     if not path.exists():
         return None
@@ -175,6 +191,9 @@ def kept_arm(keep: Path, arm: Arm, key: dict, report: bool = False) -> ArmResult
         result = ArmResult(arm, k["summary"], k["records"], k["wall_s"], k["config"], mtp)
     except (ValueError, KeyError) as e:
         print(f"  {arm.name}: {path} is unreadable ({e!r}); running the arm", flush=True)
+        return None
+    if k.get("resumed_from") and not resumed:
+        print(f"  {arm.name}: {path} resumed after an interruption; running the arm", flush=True)
         return None
     if k.get("key") != key:
         if report and untrained_base_match(k.get("key"), key):
@@ -265,7 +284,8 @@ def run_arm(
             wd.rename(earlier)
     elif not (done.exists() and same):
         for kept in (keep, *borrow) if keep else ():
-            if (res := kept_arm(kept, arm, key, not launch_missing)) is not None:
+            res = kept_arm(kept, arm, key, not launch_missing, bool(resume_every))
+            if res is not None:
                 print(f"  {arm.name}: kept in {kept}", flush=True)
                 return res
         if not launch_missing:

@@ -93,7 +93,20 @@ STUDY2_ARMS = {
             "e2e-TV MTP + online CE, TO",
             ("rollout.mode='target_only'", "rl.mtp_strategy='online'", "rl.mtp_loss='ce'"),
         ),
-        Arm("grow_scratch", "GrowMTP from random init, RS", ("rl.mtp_strategy='growmtp'",), False),
+        Arm(
+            "grow_scratch",
+            "GrowMTP from random init, RS",
+            ("rl.mtp_strategy='growmtp'", "mtp.init='random'"),
+            False,
+        ),
+        # SmolLM2's config initialises an MTP from the policy's last block (`mtp.init`): a head
+        # grown from there, with no MTP training before RL
+        Arm(
+            "grow_last_layer",
+            "GrowMTP from the policy's last block, RS",
+            ("rl.mtp_strategy='growmtp'", "mtp.init='last_layer'"),
+            False,
+        ),
         Arm(
             "grow_pretrained",
             "pre-trained MTP + GrowMTP updates, RS",
@@ -226,7 +239,7 @@ def study2_chosen(
     order of `every`, checked to have drafted with one pre-RL MTP (`one_pre_rl_mtp`)."""
     results = study2_arms(names, base, root, args, borrow=borrow, resume_every=resume_every)
     rest = [n for n in every if n not in names]
-    results.update(study2_arms(rest, base, root, args, False, borrow))
+    results.update(study2_arms(rest, base, root, args, False, borrow, resume_every))
     results = {n: results[n] for n in every if n in results}
     one_pre_rl_mtp(results)
     return results

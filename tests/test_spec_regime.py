@@ -294,6 +294,7 @@ def test_an_acceptance_study_resumes_an_interrupted_arm_and_borrows_timed_ones(
     it over; the cadence is not part of the kept key, so an arm a timed study kept is borrowed."""
     import argparse
     import json
+    import shutil
 
     from experiments import arms, common
 
@@ -307,6 +308,7 @@ def test_an_acceptance_study_resumes_an_interrupted_arm_and_borrows_timed_ones(
                 (ckpt / str(killed_at)).mkdir(parents=True)
                 (ckpt / f"{killed_at + 10}.orbax-checkpoint-tmp-1").mkdir()  # a torn save
                 raise KeyboardInterrupt
+            (wd / "rl").mkdir(exist_ok=True)
             (wd / "rl" / "summary.json").write_text(json.dumps({"n": len(seen)}))
             (wd / "rl" / "metrics.jsonl").write_text('{"step": 1, "time": 5.0}\n')
             return {}
@@ -345,6 +347,10 @@ def test_an_acceptance_study_resumes_an_interrupted_arm_and_borrows_timed_ones(
         study(rerun, killed_at=10)
     assert seen[-1][1] == []
     assert study()["online_ce"].summary == {"n": 5} and len(seen) == 6
+    # a study that times its arms never takes a resumed arm (its step times span the gap)
+    shutil.rmtree(out / "online_ce")
+    timed_run = study(resume_every=0)["online_ce"]
+    assert timed_run.summary == {"n": 7} and timed_run.wall_s is not None
     # an arm a timed study kept (no checkpoint cadence) is borrowed by the resuming study
     timed = tmp_path / "timed_kept"
     (timed / "online_ce.json").parent.mkdir()
@@ -353,14 +359,20 @@ def test_an_acceptance_study_resumes_an_interrupted_arm_and_borrows_timed_ones(
     )
     (tmp_path / "kept" / out.name / "online_ce.json").unlink()
     (out / "online_ce" / "rl" / "summary.json").unlink()
-    assert study(borrow=(timed,))["online_ce"].summary == {"n": 5} and len(seen) == 6
+    assert study(borrow=(timed,))["online_ce"].summary == {"n": 7} and len(seen) == 7
 
 
-def test_a_study_stopped_by_sigterm_lets_its_launch_save_first(tmp_path):
+# the study's own SIGTERM handler: the default (it ends by the signal), or one that prints what
+# was done so far and exits 3 (as benchmarks/e2e.py's `cut` does)
+CUT = "import signal, sys\nsignal.signal(signal.SIGTERM, lambda *a: (print('cut'), sys.exit(3)))\n"
+
+
+@pytest.mark.parametrize("own, code, printed", [("", -15, ""), (CUT, 3, "cut\n")])
+def test_a_study_stopped_by_sigterm_lets_its_launch_save_first(tmp_path, own, code, printed):
     """experiments.arms.run_child passes a SIGTERM on to the launch it waits for and waits for
-    its end: the child's SIGTERM handler (launch.py's: save a checkpoint, exit 143) runs, and the
-    study fails naming the exit status. (Without it the study dies at once and the child is
-    never told.) A child that prints, sleeps up to 30 s, and on SIGTERM writes a file."""
+    its end: the child's SIGTERM handler (launch.py's: save a checkpoint, exit 143) runs, then
+    the study's own. (Without it the study's handler runs at once and the child is never told.)
+    A child that prints, sleeps up to 30 s, and on SIGTERM writes a file."""
     import signal
     import subprocess
     import sys
@@ -374,14 +386,9 @@ def test_a_study_stopped_by_sigterm_lets_its_launch_save_first(tmp_path):
         f"open({str(ready)!r}, 'w').write('ok')\n"
         "for _ in range(300):\n    print('step', flush=True); time.sleep(0.1)\n"
     )
+    run = f"from experiments import arms; arms.run_child({[sys.executable, '-c', child]!r})"
     study = subprocess.Popen(
-        [
-            sys.executable,
-            "-c",
-            f"from experiments import arms; arms.run_child({[sys.executable, '-c', child]!r})",
-        ],
-        stderr=subprocess.PIPE,
-        text=True,
+        [sys.executable, "-c", own + run], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True
     )
     deadline = time.monotonic() + 60
     while not ready.exists() and time.monotonic() < deadline:
@@ -389,10 +396,32 @@ def test_a_study_stopped_by_sigterm_lets_its_launch_save_first(tmp_path):
     assert ready.exists(), "the child never started"
     t0 = time.monotonic()
     study.send_signal(signal.SIGTERM)
-    err = study.communicate(timeout=60)[1]
+    out, err = study.communicate(timeout=60)
     assert saved.read_text() == "ok"  # the child's handler ran
-    assert study.returncode == 1 and "failed (exit 143)" in err
+    assert study.returncode == code and out == printed, err  # then the study's own
     assert time.monotonic() - t0 < 20  # not the child's full 30 s
+
+
+@pytest.mark.parametrize("model", ["demo", "smollm2"])
+def test_growmtp_from_random_init_starts_from_a_random_head_on_every_model(model):
+    """The GrowMTP arm labelled "from random init" resolves to `mtp.init='random'` with no MTP
+    checkpoint on each model, although SmolLM2's configs initialise an MTP from the policy's last
+    block; the head grown from there is its own arm, run by the SmolLM2 study only."""
+    from bebop import config as config_lib
+    from experiments import common
+    from experiments.growmtp.run import ARMS_OF
+
+    m = common.MODELS[model]
+
+    def resolved(name):
+        arm = common.STUDY2_ARMS[name]
+        cfg = config_lib.load(m.config, ["stages=('rl',)", *m.extra, *arm.overrides])[0]
+        return cfg.mtp.init, cfg.mtp.init_from, cfg.rl.mtp_strategy, arm.pretrained
+
+    assert resolved("grow_scratch") == ("random", "", "growmtp", False)
+    assert resolved("grow_last_layer") == ("last_layer", "", "growmtp", False)
+    assert ("grow_last_layer" in ARMS_OF[model]) == (model == "smollm2")
+    assert {"plain", "grow_scratch", "frozen_rs", "grow_pretrained"} <= set(ARMS_OF[model])
 
 
 @pytest.mark.parametrize(
@@ -674,4 +703,4 @@ def test_a_study_launches_the_chosen_arms_and_only_reports_the_others(monkeypatc
     monkeypatch.setattr(common, "study2_arms", fake)
     got = common.study2_chosen(("c", "b"), ("a", "b", "c", "d"), None, None, None, ("k",), 10)
     assert list(got) == ["a", "b", "c"]
-    assert calls == [(("c", "b"), True, ("k",), 10), (("a", "d"), False, ("k",), 0)]
+    assert calls == [(("c", "b"), True, ("k",), 10), (("a", "d"), False, ("k",), 10)]

@@ -15,11 +15,14 @@ RL stage's timed plain-vs-speculative rollouts of its final weights).
 
 `--model smollm2`: the RL task of `configs/rl_smollm2.py` from one run of the recipe's MTP
 (`common.MODELS`; its static arms with `rollout.compact=False`), arms in
-`runs/exp_rl_speed_smollm2/`, results in `results_smollm2.json`, figures `*_smollm2.png`.
+`runs/exp_rl_speed_smollm2/`, results in `results_smollm2.json`, figures `*_smollm2.png`; a fifth
+arm, `grow_last_layer`, grows a head from a copy of the policy's last block (the SmolLM2
+configs' `mtp.init`), with no MTP training before RL.
 `--arms`: run only these (the others enter the results where finished or kept); the arms that
-never draft with the base's MTP (plain, grow_scratch) need no trained SmolLM2 base. `--rerun`:
-run these again although finished or kept (times are compared only between arms that started
-within 12 h of each other, e.g. a kept plain arm of another day and a new GrowMTP arm); the
+never draft with the base's MTP (plain, grow_scratch, grow_last_layer) need no trained SmolLM2
+base. `--rerun`: run these again although finished or kept (times are compared only between
+arms that started within 12 h of each other, e.g. a kept plain arm of another day and a new
+GrowMTP arm); the
 arms and their kept JSON are shared with `experiments.e2e_speedup`, whose results file keeps
 the earlier timing until it runs again.
 
@@ -41,7 +44,10 @@ from experiments import arms, common
 
 HERE = Path(__file__).resolve().parent
 ARMS = ("plain", "grow_scratch", "frozen_rs", "grow_pretrained")
-SPEC = ARMS[1:]
+# per model (`--model`): SmolLM2 also grows a head from its config's MTP init, the policy's last
+# block (`mtp.init='last_layer'`)
+ARMS_OF = {"demo": ARMS, "smollm2": (*ARMS, "grow_last_layer")}
+SPEC = tuple(n for n in ARMS_OF["smollm2"] if n != "plain")
 
 
 def pays_from(step, ratio) -> int | None:
@@ -177,12 +183,13 @@ def main():
     )
     common.add_arms_flag(ap)
     args = ap.parse_args()
-    names = common.chosen_arms(ap, args, ARMS)
+    every = ARMS_OF[args.model]
+    names = common.chosen_arms(ap, args, every)
     t0 = time.perf_counter()
-    # arms that never draft with the base's MTP (plain, grow_scratch) need no trained base
-    # on a model without an SFT stage
+    # arms that never draft with the base's MTP (plain, grow_scratch, grow_last_layer) need no
+    # trained base on a model without an SFT stage
     base, root = common.study2_base(args, "timed_root", names)
-    results = common.study2_chosen(names, ARMS, base, root, args)
+    results = common.study2_chosen(names, every, base, root, args)
     rows = {n: row(results[n], results.get("plain"), args.window) for n in SPEC if n in results}
     if args.costs:
         for n in rows:
