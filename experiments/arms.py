@@ -42,7 +42,9 @@ def run_child(cmd: list[str]) -> str:
     command, its exit status and the tail of its stderr. In the main thread a SIGTERM to this
     process is passed on to the child and its end awaited, so that a launch stopped with the
     study saves its checkpoint (`launch.py` exits 143 after saving) instead of losing its work
-    to a closed pipe; then this process's own SIGTERM handler runs (by default: it ends)."""
+    to a closed pipe; then this process's own SIGTERM handler runs (by default: it ends). Any
+    other exception while waiting (e.g. KeyboardInterrupt) sends the child a SIGTERM and waits
+    for it before it propagates."""
     child: list[subprocess.Popen] = []
     stopped: list[int] = []
 
@@ -52,12 +54,18 @@ def run_child(cmd: list[str]) -> str:
             c.send_signal(signum)
 
     main = threading.current_thread() is threading.main_thread()
+    main = main and signal.getsignal(signal.SIGTERM) is not signal.SIG_IGN
     earlier = signal.signal(signal.SIGTERM, forward) if main else None
     try:
         child.append(subprocess.Popen(cmd, cwd=REPO, stdout=PIPE, stderr=PIPE, text=True))
         if stopped:  # a SIGTERM before the child existed
             child[0].send_signal(signal.SIGTERM)
         out, err = child[0].communicate()
+    except BaseException:  # e.g. KeyboardInterrupt: the child too saves and ends first
+        if child and child[0].poll() is None:
+            child[0].send_signal(signal.SIGTERM)
+            child[0].communicate()
+        raise
     finally:
         if main:
             signal.signal(signal.SIGTERM, signal.SIG_DFL if earlier is None else earlier)

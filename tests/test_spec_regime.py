@@ -367,12 +367,16 @@ def test_an_acceptance_study_resumes_an_interrupted_arm_and_borrows_timed_ones(
 CUT = "import signal, sys\nsignal.signal(signal.SIGTERM, lambda *a: (print('cut'), sys.exit(3)))\n"
 
 
-@pytest.mark.parametrize("own, code, printed", [("", -15, ""), (CUT, 3, "cut\n")])
-def test_a_study_stopped_by_sigterm_lets_its_launch_save_first(tmp_path, own, code, printed):
+@pytest.mark.parametrize(
+    "own, sig, code, printed",
+    [("", "SIGTERM", -15, ""), (CUT, "SIGTERM", 3, "cut\n"), ("", "SIGINT", -2, "")],
+)
+def test_a_study_stopped_by_sigterm_lets_its_launch_save_first(tmp_path, own, sig, code, printed):
     """experiments.arms.run_child passes a SIGTERM on to the launch it waits for and waits for
     its end: the child's SIGTERM handler (launch.py's: save a checkpoint, exit 143) runs, then
     the study's own. (Without it the study's handler runs at once and the child is never told.)
-    A child that prints, sleeps up to 30 s, and on SIGTERM writes a file."""
+    A SIGINT to the study alone (KeyboardInterrupt while it waits) also stops the child with a
+    SIGTERM first. A child that prints, sleeps up to 30 s, and on SIGTERM writes a file."""
     import signal
     import subprocess
     import sys
@@ -395,7 +399,7 @@ def test_a_study_stopped_by_sigterm_lets_its_launch_save_first(tmp_path, own, co
         time.sleep(0.1)
     assert ready.exists(), "the child never started"
     t0 = time.monotonic()
-    study.send_signal(signal.SIGTERM)
+    study.send_signal(getattr(signal, sig))
     out, err = study.communicate(timeout=60)
     assert saved.read_text() == "ok"  # the child's handler ran
     assert study.returncode == code and out == printed, err  # then the study's own
