@@ -304,18 +304,16 @@ def run_arm(
         done.unlink()
     if not done.exists():
         # an interrupted launch of this arm that checkpointed: resumed (never by a rerun)
-        this = resume_every and not rerun and saved.get("launch") == run and same
-        resumed = saved.get("resumed_from", []) if this else None
-        at = checkpointed_step(wd) if resumed is not None and "wall_s" not in saved else None
+        interrupted = saved.get("launch") == run and same and "wall_s" not in saved
+        at = checkpointed_step(wd) if resume_every and not rerun and interrupted else None
+        resumed = [] if at is None else [*saved.get("resumed_from", []), at]
         if at is None:
             shutil.rmtree(wd, ignore_errors=True)
             wd.mkdir(parents=True)
             if (base / "sft").exists():  # a policy of its own (not a GGUF / HF checkpoint)
                 link_tree(base / "sft", wd / "sft")
-            resumed = []
         else:
             print(f"  {arm.name}: resuming its interrupted run at step {at}", flush=True)
-            resumed = [*resumed, at]
         if resume_every:  # an interrupted launch is recognised by this record
             record.write_text(json.dumps({"launch": run, "key": key, "resumed_from": resumed}))
         t0 = time.perf_counter()

@@ -22,9 +22,8 @@ configs' `mtp.init`), with no MTP training before RL.
 never draft with the base's MTP (plain, grow_scratch, grow_last_layer) need no trained SmolLM2
 base. `--rerun`: run these again although finished or kept (times are compared only between
 arms that started within 12 h of each other, e.g. a kept plain arm of another day and a new
-GrowMTP arm); the
-arms and their kept JSON are shared with `experiments.e2e_speedup`, whose results file keeps
-the earlier timing until it runs again.
+GrowMTP arm); the arms and their kept JSON are shared with `experiments.e2e_speedup`, whose
+results file keeps the earlier timing until it runs again.
 
 Arms land in `runs/exp_rl_speed/<arm>/` (shared with `experiments/e2e_speedup`: run both on an
 otherwise idle machine, their wall times are compared); figures and `results.json` next to this
