@@ -433,7 +433,8 @@ class MTPConfig:
     eval_mixed_prompts: int = 0  # also evaluate on this many mixed chat prompts (0 = off)
     # Draft vocabulary: the MTP's head keeps only the `draft_vocab` tokens most frequent in the
     # distill data (EOS always in); 0 = the full vocabulary. Lossless under both rules (the
-    # residual covers the rest); it cuts the draft head's cost by V / draft_vocab.
+    # residual covers the rest); it cuts the draft head's cost by V / draft_vocab. A head GrowMTP
+    # grows without `init_from` has no distill data to choose from: 0 there.
     draft_vocab: int = 0
     # Compute the frozen policy's hiddens over the distill set once (host memory N x S x D
     # float32) instead of one backbone forward per step.
@@ -595,6 +596,16 @@ class RunConfig:
             or all(g == self.rollout.num_draft for _, g in self.rollout.draft_table),
             "rollout.draft_table",
             "growmtp drafts rollout.num_draft at every bucket; leave the table empty",
+        )
+        _require(  # a draft vocabulary is chosen from the distill data of an MTP stage's head
+            "rl" not in self.stages
+            or self.rl.mtp_strategy != "growmtp"
+            or bool(self.mtp.init_from)
+            or self.mtp.draft_vocab == 0,
+            "mtp.draft_vocab",
+            f"{self.mtp.draft_vocab}: GrowMTP without mtp.init_from grows a fresh head, which "
+            "drafts over the full vocabulary (no distill data to choose its tokens from): set "
+            "mtp.draft_vocab=0, or start from a trained head with mtp.init_from",
         )
         for s in self.stages:
             _require(s in STAGES, "stages", f"unknown stage {s!r}; known: {STAGES}")

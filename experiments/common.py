@@ -96,15 +96,16 @@ STUDY2_ARMS = {
         Arm(
             "grow_scratch",
             "GrowMTP from random init, RS",
-            ("rl.mtp_strategy='growmtp'", "mtp.init='random'"),
+            ("rl.mtp_strategy='growmtp'", "mtp.init='random'", "mtp.draft_vocab=0"),
             False,
         ),
         # SmolLM2's config initialises an MTP from the policy's last block (`mtp.init`): a head
-        # grown from there, with no MTP training before RL
+        # grown from there, with no MTP training before RL. A grown head drafts over the full
+        # vocabulary (`mtp.draft_vocab=0`; the recipe's head keeps 8,192 tokens)
         Arm(
             "grow_last_layer",
             "GrowMTP from the policy's last block, RS",
-            ("rl.mtp_strategy='growmtp'", "mtp.init='last_layer'"),
+            ("rl.mtp_strategy='growmtp'", "mtp.init='last_layer'", "mtp.draft_vocab=0"),
             False,
         ),
         Arm(

@@ -103,6 +103,18 @@ def test_draft_table_gamma_above_num_draft_is_a_config_error():
     assert cfg.rollout.draft_table == ((8, 2), (16, 0))
 
 
+def test_growmtp_from_a_fresh_head_refuses_a_draft_vocabulary():
+    """A draft vocabulary is chosen from an MTP stage's distill data: a head GrowMTP grows
+    without `mtp.init_from` has none, and drafting over the full vocabulary instead of the
+    configured `mtp.draft_vocab` would be a silent change of the head's shape and cost."""
+    with pytest.raises(ConfigError, match=r"mtp\.draft_vocab.*mtp\.init_from"):
+        _cfg("rl.mtp_strategy='growmtp'", "mtp.draft_vocab=64")
+    assert _cfg("rl.mtp_strategy='growmtp'", "mtp.draft_vocab=0").mtp.draft_vocab == 0
+    grown = _cfg("rl.mtp_strategy='growmtp'", "mtp.draft_vocab=64", "mtp.init_from='/x/ckpt'")
+    assert grown.mtp.draft_vocab == 64  # a trained head brings its vocabulary
+    assert _cfg("rl.mtp_strategy='frozen'", "mtp.draft_vocab=64").mtp.draft_vocab == 64
+
+
 def test_growmtp_refuses_a_draft_table_below_num_draft():
     with pytest.raises(ConfigError, match=r"rollout\.draft_table.*growmtp"):
         _cfg("rl.mtp_strategy='growmtp'", "rollout.num_draft=2", "rollout.draft_table=((8, 0),)")

@@ -1,6 +1,8 @@
 """Study helpers: the fit recovers a known slope inside its interval, Spearman matches its
 definition, and every plot function draws what it was given into a PNG of the asked size."""
 
+import json
+
 import numpy as np
 import pytest
 
@@ -241,3 +243,26 @@ def test_growmtp_does_not_compare_step_times_with_a_plain_arm_of_another_day():
     far = row(arm("grow", 20 * 3600.0), arm("plain", 0.0), window=5)
     assert "not_compared" in far["step_s_ratio"] and "not_compared" in far["rollout_s_ratio"]
     assert far["accept_len_last10"] == pytest.approx(1.5)  # acceptance is still compared
+
+
+def test_growmtp_pays_by_the_cost_model_from_the_last_step_below_break_even(tmp_path):
+    """Break-even = a γ = 3 cycle's cost over a plain step's at the full batch (0.3 / 0.1 s: 3
+    tokens per cycle); the arm pays from the first step after the last whose running mean (window
+    2) is below it, and the result names the head the costs were timed for and the arm's draft
+    vocabulary."""
+    from experiments import arms
+    from experiments.growmtp.run import pays_by_cost_model
+
+    bucket = {"32": {"step": 0.1, "cycle_1": 0.15, "cycle_3": 0.3}, "8": {"step": 0.05}}
+    inputs = {"bucket_costs_s": bucket, "mtp": "a head of 8192 tokens"}
+    path = tmp_path / "costs.json"
+    path.write_text(json.dumps({"prediction": {"measured_inputs": inputs}}))
+    alen = [1.0, 2.0, 4.0, 2.5, 3.5, 3.5, 4.0]  # running means 1, 1.5, 3, 3.25, 3, 3.5, 3.75
+    recs = [{"step": s + 1, "accept_len": a} for s, a in enumerate(alen)]
+    res = arms.ArmResult(arms.Arm("g", "g"), {}, recs, None, {"mtp": {"draft_vocab": 0}})
+    got = pays_by_cost_model(res, path, window=2)
+    assert got["break_even_accept_len"] == pytest.approx(3.0)
+    assert (got["batch"], got["gamma"], got["pays_from_step"]) == (32, 3, 3)
+    assert got["costs_timed_for"] == "a head of 8192 tokens" and got["arm_draft_vocab"] == 0
+    recs[-1]["accept_len"] = 1.0  # the last running mean falls to 2.25: never
+    assert pays_by_cost_model(res, path, window=2)["pays_from_step"] is None

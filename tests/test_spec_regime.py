@@ -419,11 +419,13 @@ def test_growmtp_from_random_init_starts_from_a_random_head_on_every_model(model
 
     def resolved(name):
         arm = common.STUDY2_ARMS[name]
-        cfg = config_lib.load(m.config, ["stages=('rl',)", *m.extra, *arm.overrides])[0]
+        init = ["mtp.init_from='runs/base/mtp/ckpt'"] if arm.pretrained else []
+        cfg = config_lib.load(m.config, ["stages=('rl',)", *m.extra, *init, *arm.overrides])[0]
         return cfg.mtp.init, cfg.mtp.init_from, cfg.rl.mtp_strategy, arm.pretrained
 
     assert resolved("grow_scratch") == ("random", "", "growmtp", False)
     assert resolved("grow_last_layer") == ("last_layer", "", "growmtp", False)
+    assert resolved("grow_pretrained")[1:] == ("runs/base/mtp/ckpt", "growmtp", True)
     assert ("grow_last_layer" in ARMS_OF[model]) == (model == "smollm2")
     assert {"plain", "grow_scratch", "frozen_rs", "grow_pretrained"} <= set(ARMS_OF[model])
 

@@ -83,7 +83,9 @@ def pays_by_cost_model(res: arms.ArmResult, costs_file: Path, window: int) -> di
     """The step from which the arm's running-mean accept length stays at or above the cost
     model's break-even (`costs.break_even_accept_len` at the full batch and `rollout.num_draft`,
     from the per-bucket costs `experiments.e2e_speedup.predict` measured and wrote to
-    `costs_file`)."""
+    `costs_file`), with the head those costs were timed for and the arm's draft vocabulary (0:
+    the full vocabulary, whose draft steps cost more than a smaller vocabulary's: the break-even
+    is then a lower bound)."""
     measured = json.loads(Path(costs_file).read_text())["prediction"]["measured_inputs"]
     bucket = {int(b): c for b, c in measured["bucket_costs_s"].items()}
     batch = max(bucket)
@@ -95,7 +97,14 @@ def pays_by_cost_model(res: arms.ArmResult, costs_file: Path, window: int) -> di
     first = int(step[0]) if below.size == 0 else None
     if below.size and below[-1] + 1 < len(step):
         first = int(step[below[-1] + 1])
-    return {"break_even_accept_len": need, "batch": batch, "gamma": gamma, "pays_from_step": first}
+    return {
+        "break_even_accept_len": need,
+        "batch": batch,
+        "gamma": gamma,
+        "pays_from_step": first,
+        "costs_timed_for": measured.get("mtp"),
+        "arm_draft_vocab": (res.config.get("mtp") or {}).get("draft_vocab"),
+    }
 
 
 def row(res: arms.ArmResult, plain: arms.ArmResult | None, window: int) -> dict:
