@@ -35,7 +35,10 @@ while the learner updates): step = max(W, L) + κ min(W, L) + overhead, where κ
 contention, is the share of the shorter phase that does not overlap: 0 when sampler and
 learner have their own hardware, up to 1 when both saturate the same cores (no gain at all);
 on a CPU it is measured by running a rollout and a learner step at once (see
-`experiments.e2e_speedup.predict`).
+`experiments.e2e_speedup.predict`). Read as both phases slowing down alike while they overlap,
+κ also gives the rollout's own seconds inside an asynchronous step (what a run records as its
+rollout time, `rollout_in_step`): the shorter phase lasts (1 + κ) times its time alone, the
+longer one κ times the shorter's alone time more.
 
 `roofline_costs` gives the same cost layout for an accelerator from a stated roofline (HBM
 bandwidth and peak FLOP/s), for the projections printed by `python -m bebop.costs project`:
@@ -209,6 +212,17 @@ def step_time(
     return w + lrn + overhead_s
 
 
+def rollout_in_step(
+    rollout_s: float, learner_s: float, asynchronous: bool, contention: float = 0.0
+) -> float:
+    """Seconds of the rollout itself inside a step (see the module docstring): `rollout_s`
+    (its time alone) in a synchronous step; asynchronously `rollout_s` + κ min(`rollout_s`,
+    `learner_s`), the learner running beside it."""
+    if not 0.0 <= contention <= 1.0:
+        raise ValueError(f"contention: must lie in [0, 1], got {contention}")
+    return rollout_s + (contention * min(rollout_s, learner_s) if asynchronous else 0.0)
+
+
 def predict_step(
     lengths: Sequence[int],
     costs: Costs,
@@ -248,8 +262,9 @@ def predict_run(
     A rollout that runs a loop program not in `compiled` ((bucket size, γ) pairs, e.g. those
     of the first, excluded step; `programs`) first compiles it: `costs[b]["compile_{γ}"]`
     seconds where given (a new draft table in a tail-aware arm), added to its rollout.
-    Returns total `rollout_s`, `step_s`, `compile_s` and the per-step lists."""
-    roll, step = [], []
+    Returns total `rollout_s` (alone), `rollout_in_step_s` (`rollout_in_step`), `step_s`,
+    `compile_s` and the per-step lists."""
+    roll, inside, step = [], [], []
     seed = kw.pop("seed", 0)
     seen = set(compiled or ())
     compile_total = 0.0
@@ -266,6 +281,8 @@ def predict_run(
         r = p["rollout_s"] + comp
         roll.append(r)
         both = {**kw, **s}
+        contention = both.get("contention", 0.0)
+        inside.append(rollout_in_step(r, both["learner_s"], a.asynchronous, contention))
         step.append(
             step_time(
                 r,
@@ -273,14 +290,16 @@ def predict_run(
                 a.asynchronous,
                 both.get("reward_s", 0.0),
                 both.get("overhead_s", 0.0),
-                both.get("contention", 0.0),
+                contention,
             )
         )
     return {
         "rollout_s": float(sum(roll)),
+        "rollout_in_step_s": float(sum(inside)),
         "step_s": float(sum(step)),
         "compile_s": compile_total,
         "rollout_per_step": roll,
+        "rollout_in_step_per_step": inside,
         "step_per_step": step,
     }
 

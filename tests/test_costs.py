@@ -109,6 +109,27 @@ def test_step_time_sync_async():
         C.step_time(1.0, 3.0, True, contention=1.5)
 
 
+def test_rollout_in_step_reads_contention_as_both_phases_slowed_alike():
+    """Asynchronously a rollout shorter than the learner lasts (1 + κ) times its time alone,
+    one longer by κ times the learner's: then it is the step itself (`step_time`); without
+    contention, or in a synchronous step, it takes its time alone."""
+    assert C.rollout_in_step(1.0, 3.0, True, 0.5) == pytest.approx(1.5)
+    assert C.rollout_in_step(4.0, 3.0, True, 0.5) == pytest.approx(5.5)
+    assert C.rollout_in_step(4.0, 3.0, True, 0.5) == pytest.approx(
+        C.step_time(4.0, 3.0, True, 0, 0, 0.5)
+    )
+    assert C.rollout_in_step(1.0, 3.0, True, 0.5) < C.step_time(1.0, 3.0, True, contention=0.5)
+    assert C.rollout_in_step(1.0, 3.0, False, 0.5) == C.rollout_in_step(1.0, 3.0, True) == 1.0
+    with pytest.raises(ValueError, match="contention"):
+        C.rollout_in_step(1.0, 3.0, True, -0.1)
+    steps = [{"lengths": LENGTHS, "learner_s": 10.0}, {"lengths": LENGTHS, "learner_s": 4.0}]
+    r = C.predict_run(steps, COSTS, C.ArmSpec(asynchronous=True), contention=0.25)
+    # 8 s alone each (the static plain loop above): 8 x 1.25 beside 10 s, 8 + 0.25 x 4 beside 4 s
+    assert r["rollout_s"] == pytest.approx(16.0)
+    assert r["rollout_in_step_per_step"] == pytest.approx([10.0, 9.0])
+    assert r["rollout_in_step_s"] == pytest.approx(19.0)
+
+
 def test_predict_run_sums_steps_with_their_tables():
     steps = [
         {"lengths": LENGTHS, "learner_s": 2.0, "alpha": 1.0, "draft_table": [[2, 2], [4, 0]]},

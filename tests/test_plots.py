@@ -266,3 +266,41 @@ def test_growmtp_pays_by_the_cost_model_from_the_last_step_below_break_even(tmp_
     assert got["costs_timed_for"] == "a head of 8192 tokens" and got["arm_draft_vocab"] == 0
     recs[-1]["accept_len"] = 1.0  # the last running mean falls to 2.25: never
     assert pays_by_cost_model(res, path, window=2)["pays_from_step"] is None
+
+
+def test_growmtp_predicts_each_arm_from_an_earlier_measurement(tmp_path):
+    """experiments.growmtp.run.predicted: the cost model's prediction of an arm from the measured
+    inputs of another study's results file (`predict.measured_inputs`), against the arm's own
+    step times. Two asynchronous static plain steps of 4 rows (lengths 3, 5, 2, 8: 8 loop
+    steps of 1 s alone), a 9 s learner, κ = 0.5, 1 s of host work a step: each step max(8, 9)
+    + 0.5 x 8 + 1 = 14 s, the rollout 8 x 1.5 = 12 s beside the learner."""
+    from bebop import config as config_lib
+    from experiments import arms
+    from experiments.e2e_speedup import predict
+    from experiments.growmtp.run import predicted
+
+    cfg = config_lib.load(
+        "configs/demo.py", ["rollout.mode='plain'", "rollout.compact=False", "rl.max_staleness=1"]
+    )[0]
+    hist = np.bincount([3, 5, 2, 8]).tolist()
+    recs = [
+        {"step": 1, "time": 0.0},
+        {"step": 2, "time": 10.0, "response_len_hist": hist, "rollout_s": 6.0, "train_s": 9.0},
+        {"step": 3, "time": 22.0, "response_len_hist": hist, "rollout_s": 7.0, "train_s": 11.0},
+    ]
+    res = arms.ArmResult(arms.Arm("plain", "plain"), {}, recs, None, config_lib.to_dict(cfg))
+    inputs = {"bucket_costs_s": {"4": {"step": 1.0}}, "learner_s": 9.0, "contention": 0.5}
+    path = tmp_path / "results.json"
+    path.write_text(json.dumps({"prediction": {"measured_inputs": inputs, "date": "d"}}))
+    got = predicted({"plain": res}, path)
+    a = got["arms"]["plain"]
+    assert (a["measured_s"], a["measured_rollout_s"]) == (22.0, 13.0)
+    assert a["predicted_s"] == pytest.approx(28.0)
+    assert a["pred_error"] == pytest.approx(6 / 22)
+    assert a["predicted_rollout_alone_s"] == pytest.approx(16.0)
+    assert a["predicted_rollout_s"] == pytest.approx(24.0)
+    assert got["max_abs_pred_error"] == pytest.approx(6 / 22)
+    assert got["measured_by"] == {"command": None, "date": "d"}
+    path.write_text("{}")
+    with pytest.raises(SystemExit, match="no prediction with measured inputs"):
+        predict.measured_inputs(path)

@@ -30,7 +30,11 @@ compiles): the batch's response lengths (`response_len_hist`), the per-position 
 step), the reward's seconds and the step's host overhead (step time minus the learner's wait and
 update: publish, evaluation, records); and its arm config (`config.json`). Prediction per arm:
 `costs.predict_step` summed over steps 2..N, against the measured RL time over the same steps;
-`pred_error` = (predicted - measured) / measured, for the RL time and for the rollout time.
+`pred_error` = (predicted - measured) / measured, for the RL time and for the rollout time (the
+rollouts' own seconds inside the steps, `costs.rollout_in_step`: beside the learner in an
+asynchronous arm; `predicted_rollout_alone_s`: as if alone). `--measured FILE` takes the
+measured inputs from an earlier prediction's results file instead of timing them again (the
+arms of another study predicted from one measurement, e.g. `experiments/growmtp`'s).
 
 Writes the prediction into the study's results file (`results.json`, `results_smollm2.json`):
 per arm `measured_s`, `predicted_s`, `pred_error` (and the rollout's), and `prediction` (the
@@ -232,20 +236,30 @@ def contention(rollout_fn, learner_fn, repeats: int) -> dict:
     """κ of `costs.step_time` from a rollout and a learner step started together."""
     t_r = _best(rollout_fn, repeats)
     t_l = _best(learner_fn, repeats)
-    both = []
+    both, rollout_in = [], []
+
+    def rollout(t0):
+        jax.block_until_ready(rollout_fn())
+        rollout_in.append(time.perf_counter() - t0)
+
     for _ in range(repeats):
-        th = threading.Thread(target=lambda: jax.block_until_ready(rollout_fn()))
         t0 = time.perf_counter()
+        th = threading.Thread(target=rollout, args=(t0,))
         th.start()
         jax.block_until_ready(learner_fn())
         th.join()
         both.append(time.perf_counter() - t0)
     kappas = [(x - max(t_r, t_l)) / min(t_r, t_l) for x in both]
+    kappa = float(min(1.0, max(0.0, statistics.median(kappas))))
     return {
         "rollout_alone_s": t_r,
         "learner_alone_s": t_l,
         "both_s": both,
-        "contention": float(min(1.0, max(0.0, statistics.median(kappas)))),
+        "contention": kappa,
+        # the rollout's own seconds beside the learner, and what `costs.rollout_in_step`
+        # (both phases slowed alike) makes of κ: a check of that reading
+        "rollout_beside_learner_s": rollout_in,
+        "rollout_beside_learner_by_kappa_s": costs.rollout_in_step(t_r, t_l, True, kappa),
     }
 
 
@@ -377,13 +391,23 @@ def predict_arm(cfg: dict, records: list[dict], measured: dict, sims: int) -> di
         "predicted_s": p["step_s"],
         "pred_error": (p["step_s"] - measured_s) / measured_s,
         "measured_rollout_s": measured_roll,
-        "predicted_rollout_s": p["rollout_s"],
-        "rollout_pred_error": (p["rollout_s"] - measured_roll) / measured_roll,
+        # the rollouts' own seconds inside the steps (`costs.rollout_in_step`), and alone
+        "predicted_rollout_s": p["rollout_in_step_s"],
+        "rollout_pred_error": (p["rollout_in_step_s"] - measured_roll) / measured_roll,
+        "predicted_rollout_alone_s": p["rollout_s"],
         "predicted_compile_s": p["compile_s"],
         "steps": len(steps),
         "arm": dataclasses.asdict(spec),
         "draft_table_changes_after_step_1": changes,
     }
+
+
+def measured_inputs(path: Path) -> dict:
+    """The prediction record (measured inputs, command, date) of the results file `path`."""
+    pred = json.loads(path.read_text()).get("prediction") or {}
+    if "measured_inputs" not in pred:
+        raise SystemExit(f"--measured {path}: no prediction with measured inputs in it")
+    return pred
 
 
 def main(argv=None):
@@ -396,6 +420,11 @@ def main(argv=None):
     ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--sims", type=int, default=64, help="simulated batches per step")
     ap.add_argument("--results", default=None, help="results file to update")
+    ap.add_argument(
+        "--measured",
+        default=None,
+        help="a results file whose prediction's measured inputs to use (no timing here)",
+    )
     argv = sys.argv[1:] if argv is None else list(argv)
     args = ap.parse_args(argv)
     m = common.MODELS[args.model]
@@ -409,7 +438,9 @@ def main(argv=None):
     if not names:
         raise SystemExit(f"--out {root}: no finished arm (*/rl/summary.json), none kept")
     t0 = time.perf_counter()
-    measured = measure(base, "demo" if args.model == "demo" else "smollm2", config, args.repeats)
+    earlier = measured_inputs(Path(args.measured)) if args.measured else None
+    name = "demo" if args.model == "demo" else "smollm2"
+    measured = earlier["measured_inputs"] if earlier else measure(base, name, config, args.repeats)
     predicted = {n: predict_arm(*arm_run(root, n, base), measured, args.sims) for n in names}
     for n, a in predicted.items():
         print(
@@ -433,6 +464,7 @@ def main(argv=None):
         "command": " ".join(["python", "-m", "experiments.e2e_speedup.predict", *argv]),
         "date": time.strftime("%Y-%m-%d", time.gmtime()),
         "measured_inputs": measured,
+        **({"measured_by": {k: earlier[k] for k in ("command", "date")}} if earlier else {}),
         "arms": predicted,
         "max_abs_pred_error": max(abs(a["pred_error"]) for a in predicted.values()),
         "wall_s": time.perf_counter() - t0,

@@ -107,6 +107,36 @@ def pays_by_cost_model(res: arms.ArmResult, costs_file: Path, window: int) -> di
     }
 
 
+def predicted(results: dict[str, arms.ArmResult], costs_file: Path, sims: int = 64) -> dict:
+    """The cost model's prediction of each arm's RL time and rollout time over steps 2..N
+    (`experiments.e2e_speedup.predict.predict_arm`) from the measured inputs in `costs_file`,
+    with the command and date that measured them."""
+    from experiments.e2e_speedup import predict
+
+    inputs = predict.measured_inputs(costs_file)
+    arms_, missing = {}, {}
+    for n, r in results.items():
+        try:
+            arms_[n] = predict.predict_arm(r.config, r.records, inputs["measured_inputs"], sims)
+        except KeyError as e:  # records from before the cost model's inputs were
+            missing[n] = str(e)
+            print(f"{n:16s} not predicted: {e}", flush=True)
+    for n, a in arms_.items():
+        print(
+            f"{n:16s} predicted RL time {a['predicted_s']:7.0f} s, measured {a['measured_s']:7.0f}"
+            f" s ({a['pred_error']:+.1%}); rollouts {a['predicted_rollout_s']:6.0f} s, measured "
+            f"{a['measured_rollout_s']:6.0f} s ({a['rollout_pred_error']:+.1%})",
+            flush=True,
+        )
+    return {
+        "inputs_from": str(costs_file),
+        "measured_by": {k: inputs.get(k) for k in ("command", "date")},
+        "arms": arms_,
+        **({"not_predicted": missing} if missing else {}),
+        "max_abs_pred_error": max((abs(a["pred_error"]) for a in arms_.values()), default=None),
+    }
+
+
 def row(res: arms.ArmResult, plain: arms.ArmResult | None, window: int) -> dict:
     """A speculative arm's acceptance and reward, and its times over the plain arm's where the
     plain arm ran beside it (`None`: not run yet, times not compared). RL runs that sample
@@ -199,9 +229,11 @@ def main():
     base, root = common.study2_base(args, "timed_root", names)
     results = common.study2_chosen(names, every, base, root, args)
     rows = {n: row(results[n], results.get("plain"), args.window) for n in SPEC if n in results}
+    prediction = {}
     if args.costs:
         for n in rows:
             rows[n]["cost_model"] = pays_by_cost_model(results[n], Path(args.costs), args.window)
+        prediction = predicted(results, Path(args.costs))
     out = common.outputs(args, HERE, root)
     figures(results, args.window, args.model, out)
     for n, r in rows.items():
@@ -231,6 +263,7 @@ def main():
         args.model,
         window_steps=args.window,
         arms=rows,
+        **({"prediction": prediction} if prediction else {}),
     )
 
 
