@@ -193,21 +193,22 @@ def kept_arm(
     path = Path(keep) / f"{arm.name}.json"
     if not path.exists():
         return None
+    then = "not reported" if report else "running the arm"  # a reported arm is never launched
     try:
         k = json.loads(path.read_text())
         mtp = ((k.get("key") or {}).get("base") or {}).get("mtp")
         result = ArmResult(arm, k["summary"], k["records"], k["wall_s"], k["config"], mtp)
     except (ValueError, KeyError) as e:
-        print(f"  {arm.name}: {path} is unreadable ({e!r}); running the arm", flush=True)
+        print(f"  {arm.name}: {path} is unreadable ({e!r}); {then}", flush=True)
         return None
     if k.get("resumed_from") and not resumed:
-        print(f"  {arm.name}: {path} resumed after an interruption; running the arm", flush=True)
+        print(f"  {arm.name}: {path} resumed after an interruption; {then}", flush=True)
         return None
     if k.get("key") != key:
         if report and untrained_base_match(k.get("key"), key):
             print(f"  {arm.name}: kept from a base of this config (none trained here)", flush=True)
             return result
-        print(f"  {arm.name}: {path} is of another launch or base; running the arm", flush=True)
+        print(f"  {arm.name}: {path} is of another launch or base; {then}", flush=True)
         return None
     return result
 

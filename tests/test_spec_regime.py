@@ -710,3 +710,20 @@ def test_a_study_launches_the_chosen_arms_and_only_reports_the_others(monkeypatc
     got = common.study2_chosen(("c", "b"), ("a", "b", "c", "d"), None, None, None, ("k",), 10)
     assert list(got) == ["a", "b", "c"]
     assert calls == [(("c", "b"), True, ("k",), 10), (("a", "d"), False, ("k",), 10)]
+
+
+def test_a_kept_arm_of_another_launch_says_what_happens_next(tmp_path, capsys):
+    """experiments.arms.kept_arm: a kept arm of another key is not taken; the message says the
+    arm runs again where it is launched, and that it is left out where it is only reported."""
+    import json
+
+    from experiments import arms
+
+    arm = arms.Arm("a", "a")
+    kept = {"key": {"config": 1}, "wall_s": 1.0, "config": {}, "summary": {}, "records": []}
+    (tmp_path / "a.json").write_text(json.dumps(kept))
+    assert arms.kept_arm(tmp_path, arm, {"config": 1}) is not None
+    assert arms.kept_arm(tmp_path, arm, {"config": 2}) is None
+    assert "another launch or base; running the arm" in capsys.readouterr().out
+    assert arms.kept_arm(tmp_path, arm, {"config": 2, "base": {"mtp": 1}}, report=True) is None
+    assert "another launch or base; not reported" in capsys.readouterr().out
