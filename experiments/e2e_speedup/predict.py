@@ -406,7 +406,10 @@ def measured_inputs(path: Path) -> dict:
     """The prediction record (measured inputs, command, date) of the results file `path`."""
     pred = json.loads(path.read_text()).get("prediction") or {}
     if "measured_inputs" not in pred:
-        raise SystemExit(f"--measured {path}: no prediction with measured inputs in it")
+        raise SystemExit(
+            f"{path}: no prediction with measured inputs in it (experiments.e2e_speedup.predict "
+            "writes one into a study's results file)"
+        )
     return pred
 
 
