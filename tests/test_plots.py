@@ -301,6 +301,10 @@ def test_growmtp_predicts_each_arm_from_an_earlier_measurement(tmp_path):
     assert a["predicted_rollout_s"] == pytest.approx(24.0)
     assert got["max_abs_pred_error"] == pytest.approx(6 / 22)
     assert got["measured_by"] == {"command": None, "date": "d"}
+    first = {"command": "python -m experiments.e2e_speedup.predict", "date": "d0"}
+    again = {"measured_inputs": inputs, "date": "d", "measured_by": first}  # a --measured one
+    path.write_text(json.dumps({"prediction": again}))
+    assert predicted({"plain": res}, path)["measured_by"] == first
     path.write_text("{}")
     with pytest.raises(SystemExit, match="no prediction with measured inputs"):
         predict.measured_inputs(path)

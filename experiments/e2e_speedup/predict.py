@@ -413,6 +413,12 @@ def measured_inputs(path: Path) -> dict:
     return pred
 
 
+def measured_by(prediction: dict) -> dict:
+    """The command and date that timed a prediction record's measured inputs (an earlier one's
+    where the record reused them, `--measured`)."""
+    return prediction.get("measured_by") or {k: prediction.get(k) for k in ("command", "date")}
+
+
 def main(argv=None):
     ap = argparse.ArgumentParser()
     ap.add_argument("--model", choices=sorted(common.MODELS), default="demo")
@@ -467,7 +473,7 @@ def main(argv=None):
         "command": " ".join(["python", "-m", "experiments.e2e_speedup.predict", *argv]),
         "date": time.strftime("%Y-%m-%d", time.gmtime()),
         "measured_inputs": measured,
-        **({"measured_by": {k: earlier[k] for k in ("command", "date")}} if earlier else {}),
+        **({"measured_by": measured_by(earlier)} if earlier else {}),
         "arms": predicted,
         "max_abs_pred_error": max(abs(a["pred_error"]) for a in predicted.values()),
         "wall_s": time.perf_counter() - t0,

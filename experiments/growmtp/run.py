@@ -130,7 +130,7 @@ def predicted(results: dict[str, arms.ArmResult], costs_file: Path, sims: int = 
         )
     return {
         "inputs_from": str(costs_file),
-        "measured_by": {k: inputs.get(k) for k in ("command", "date")},
+        "measured_by": predict.measured_by(inputs),
         "arms": arms_,
         **({"not_predicted": missing} if missing else {}),
         "max_abs_pred_error": max((abs(a["pred_error"]) for a in arms_.values()), default=None),
