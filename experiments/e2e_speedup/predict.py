@@ -413,6 +413,17 @@ def measured_inputs(path: Path) -> dict:
     return pred
 
 
+def print_prediction(predicted: dict) -> None:
+    """One line per arm of `predict_arm`'s figures: RL and rollout time, measured and predicted."""
+    for n, a in predicted.items():
+        print(
+            f"{n:24s} RL {a['measured_s']:8.1f} s measured, {a['predicted_s']:8.1f} s predicted "
+            f"({a['pred_error']:+.1%}); rollouts {a['measured_rollout_s']:7.1f} s vs "
+            f"{a['predicted_rollout_s']:7.1f} s ({a['rollout_pred_error']:+.1%})",
+            flush=True,
+        )
+
+
 def measured_by(prediction: dict) -> dict:
     """The command and date that timed a prediction record's measured inputs (an earlier one's
     where the record reused them, `--measured`)."""
@@ -451,13 +462,7 @@ def main(argv=None):
     name = "demo" if args.model == "demo" else "smollm2"
     measured = earlier["measured_inputs"] if earlier else measure(base, name, config, args.repeats)
     predicted = {n: predict_arm(*arm_run(root, n, base), measured, args.sims) for n in names}
-    for n, a in predicted.items():
-        print(
-            f"{n:24s} RL {a['measured_s']:8.1f} s measured, {a['predicted_s']:8.1f} s predicted "
-            f"({a['pred_error']:+.1%}); rollouts {a['measured_rollout_s']:7.1f} s vs "
-            f"{a['predicted_rollout_s']:7.1f} s ({a['rollout_pred_error']:+.1%})",
-            flush=True,
-        )
+    print_prediction(predicted)
     path = Path(args.results) if args.results else common.outputs(args, HERE, root) / m.results
     res = json.loads(path.read_text()) if path.exists() else {}
     res.setdefault("arms", {})

@@ -121,13 +121,7 @@ def predicted(results: dict[str, arms.ArmResult], costs_file: Path, sims: int = 
         except KeyError as e:  # records from before the cost model's inputs were
             missing[n] = str(e)
             print(f"{n:16s} not predicted: {e}", flush=True)
-    for n, a in arms_.items():
-        print(
-            f"{n:16s} predicted RL time {a['predicted_s']:7.0f} s, measured {a['measured_s']:7.0f}"
-            f" s ({a['pred_error']:+.1%}); rollouts {a['predicted_rollout_s']:6.0f} s, measured "
-            f"{a['measured_rollout_s']:6.0f} s ({a['rollout_pred_error']:+.1%})",
-            flush=True,
-        )
+    predict.print_prediction(arms_)
     return {
         "inputs_from": str(costs_file),
         "measured_by": predict.measured_by(inputs),
