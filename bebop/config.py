@@ -434,7 +434,8 @@ class MTPConfig:
     # Draft vocabulary: the MTP's head keeps only the `draft_vocab` tokens most frequent in the
     # distill data (EOS always in); 0 = the full vocabulary. Lossless under both rules (the
     # residual covers the rest); it cuts the draft head's cost by V / draft_vocab. A head GrowMTP
-    # grows without `init_from` has no distill data to choose from: 0 there.
+    # grows without `init_from` (a fresh one, not an mtp stage's) drafts over the full
+    # vocabulary: 0 there.
     draft_vocab: int = 0
     # Compute the frozen policy's hiddens over the distill set once (host memory N x S x D
     # float32) instead of one backbone forward per step.
@@ -603,8 +604,8 @@ class RunConfig:
             or bool(self.mtp.init_from)
             or self.mtp.draft_vocab == 0,
             "mtp.draft_vocab",
-            f"{self.mtp.draft_vocab}: GrowMTP without mtp.init_from grows a fresh head, which "
-            "drafts over the full vocabulary (no distill data to choose its tokens from): set "
+            f"{self.mtp.draft_vocab}: GrowMTP without mtp.init_from grows a fresh head (not an "
+            "mtp stage's trained one), which drafts over the full vocabulary: set "
             "mtp.draft_vocab=0, or start from a trained head with mtp.init_from",
         )
         for s in self.stages:

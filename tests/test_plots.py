@@ -305,6 +305,10 @@ def test_growmtp_predicts_each_arm_from_an_earlier_measurement(tmp_path):
     again = {"measured_inputs": inputs, "date": "d", "measured_by": first}  # a --measured one
     path.write_text(json.dumps({"prediction": again}))
     assert predicted({"plain": res}, path)["measured_by"] == first
+    other = {**inputs, "batch": cfg.rl.prompts_per_step * cfg.rl.group_size // 2}
+    path.write_text(json.dumps({"prediction": {"measured_inputs": other}}))
+    with pytest.raises(ValueError, match="measured costs are of rows per step"):
+        predicted({"plain": res}, path)
     path.write_text("{}")
     with pytest.raises(SystemExit, match="no prediction with measured inputs"):
         predict.measured_inputs(path)

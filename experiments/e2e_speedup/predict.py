@@ -233,7 +233,9 @@ def learner_step(s: Setup):
 
 
 def contention(rollout_fn, learner_fn, repeats: int) -> dict:
-    """κ of `costs.step_time` from a rollout and a learner step started together."""
+    """κ of `costs.step_time` from a rollout and a learner step started together, with each
+    phase's time alone, the pair's (`both_s`), the rollout's own time in each pair
+    (`rollout_beside_learner_s`) and what `costs.rollout_in_step` makes of it from κ."""
     t_r = _best(rollout_fn, repeats)
     t_l = _best(learner_fn, repeats)
     both, rollout_in = [], []
@@ -374,7 +376,19 @@ def arm_run(root: Path, name: str, base: Path) -> tuple[dict, list[dict]]:
 
 
 def predict_arm(cfg: dict, records: list[dict], measured: dict, sims: int) -> dict:
+    """The cost model's RL and rollout time of the arm run with config `cfg` (its records from
+    step 2 on) from the `measured` inputs, which must be of the arm's batch and token budget."""
     cfg = config_lib.from_dict(config_lib.RunConfig, cfg)
+    rows = cfg.rl.prompts_per_step * cfg.rl.group_size
+    for what, mine, theirs in (
+        ("rows per step", rows, measured.get("batch")),
+        ("rollout.max_new_tokens", cfg.rollout.max_new_tokens, measured.get("budget")),
+    ):
+        if theirs is not None and mine != theirs:
+            raise ValueError(
+                f"the measured costs are of {what} {theirs}, the arm's config has {mine}: "
+                "measure them on this config (experiments.e2e_speedup.predict)"
+            )
     spec = arm_spec(cfg)
     derived = spec.speculative and spec.compact and not cfg.rollout.draft_table
     derived = derived and cfg.rl.mtp_strategy != "growmtp"

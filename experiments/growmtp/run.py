@@ -84,8 +84,8 @@ def pays_by_cost_model(res: arms.ArmResult, costs_file: Path, window: int) -> di
     model's break-even (`costs.break_even_accept_len` at the full batch and `rollout.num_draft`,
     from the per-bucket costs `experiments.e2e_speedup.predict` measured and wrote to
     `costs_file`), with the head those costs were timed for and the arm's draft vocabulary (0:
-    the full vocabulary, whose draft steps cost more than a smaller vocabulary's: the break-even
-    is then a lower bound)."""
+    the full vocabulary, whose draft steps cost more than a smaller vocabulary's: where the
+    costs were timed for a smaller one, `costs_timed_for`, the break-even is a lower bound)."""
     measured = json.loads(Path(costs_file).read_text())["prediction"]["measured_inputs"]
     bucket = {int(b): c for b, c in measured["bucket_costs_s"].items()}
     batch = max(bucket)
@@ -119,6 +119,8 @@ def predicted(results: dict[str, arms.ArmResult], costs_file: Path, sims: int = 
         try:
             arms_[n] = predict.predict_arm(r.config, r.records, inputs["measured_inputs"], sims)
         except KeyError as e:  # records from before the cost model's inputs were
+            if "response_len_hist" not in str(e):
+                raise
             missing[n] = str(e)
             print(f"{n:16s} not predicted: {e}", flush=True)
     predict.print_prediction(arms_)
