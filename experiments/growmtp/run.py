@@ -32,7 +32,6 @@ file (`--runlocal` / `--set`: under `<out>/results/`). Last line: one JSON objec
 
 from __future__ import annotations
 
-import json
 import time
 from pathlib import Path
 
@@ -86,17 +85,16 @@ def pays_by_cost_model(res: arms.ArmResult, costs_file: Path, window: int) -> di
     `costs_file`), with the head those costs were timed for and the arm's draft vocabulary (0:
     the full vocabulary, whose draft steps cost more than a smaller vocabulary's: where the
     costs were timed for a smaller one, `costs_timed_for`, the break-even is a lower bound)."""
-    measured = json.loads(Path(costs_file).read_text())["prediction"]["measured_inputs"]
+    from experiments.e2e_speedup import predict
+
+    measured = predict.measured_inputs(Path(costs_file))["measured_inputs"]
     bucket = {int(b): c for b, c in measured["bucket_costs_s"].items()}
     batch = max(bucket)
     gamma = max(int(k.split("_")[1]) for k in bucket[batch] if k.startswith("cycle_"))
     need = costs.break_even_accept_len(bucket, batch, gamma)
     step, alen = res.series("accept_len")
-    above = common.running_mean(alen, window) >= need
-    below = np.nonzero(~above)[0]
-    first = int(step[0]) if below.size == 0 else None
-    if below.size and below[-1] + 1 < len(step):
-        first = int(step[below[-1] + 1])
+    # "slower than plain" where the running accept length is below the break-even
+    first = pays_from(step, need / common.running_mean(alen, window))
     return {
         "break_even_accept_len": need,
         "batch": batch,

@@ -23,9 +23,8 @@ results where finished or kept); `--rerun`: run these again although finished or
 (`frozen_rs` then in this study's own directory, not taken from the timed study's). An arm
 interrupted mid-run (killed, or the machine gone) resumes from its newest checkpoint (every 10
 RL steps) when the same command runs again (not one started with `--rerun`: that starts over).
-Figures
-and `results.json` land next to this file (`--runlocal` / `--set`: under `<out>/results/`).
-Last line: one JSON object.
+Figures and `results.json` land next to this file (`--runlocal` / `--set`: under
+`<out>/results/`). Last line: one JSON object.
 """
 
 from __future__ import annotations
