@@ -258,3 +258,46 @@ def test_break_even_accept_length():
     arm = C.ArmSpec(speculative=True, num_draft=2)
     t_spec = C.rollout_time([400], c, arm, [1.0, 0.0])["seconds"]
     assert t_spec == pytest.approx(C.rollout_time([400], c, C.ArmSpec())["seconds"])
+
+
+def test_growmtp_arms_are_predicted_with_their_own_recording_loop():
+    """`experiments.e2e_speedup.predict`: a GrowMTP arm's loop also records what its head
+    trains on and drafts with its own head; its cycle is the measured one scaled by the ratio
+    timed beside it, at each bucket it runs (every bucket when tail-aware), and an arm whose
+    loop was not timed is refused, naming the loop."""
+    import dataclasses
+
+    from bebop import config as config_lib
+    from experiments.e2e_speedup import predict as P
+
+    from .conftest import REPO
+
+    frozen = config_lib.load(str(REPO / "configs/rl_smollm2.py"))[0]
+    assert P.loop_variant(frozen) is None  # the loop `loop_costs` times
+    grow = dataclasses.replace(
+        frozen,
+        rl=dataclasses.replace(frozen.rl, mtp_strategy="growmtp"),
+        mtp=dataclasses.replace(frozen.mtp, draft_vocab=0),
+        rollout=dataclasses.replace(frozen.rollout, compact=False),
+    )
+    name = P.loop_variant(grow)
+    assert "record" in name and "draft vocabulary full" in name
+    g, rows = grow.rollout.num_draft, grow.rl.prompts_per_step * grow.rl.group_size
+    measured = {
+        "bucket_costs_s": {
+            str(rows): {"step": 1.0, f"cycle_{g}": 2.0},
+            str(rows // 2): {"step": 0.5, f"cycle_{g}": 1.0},
+        }
+    }
+    assert P.arm_bucket_costs(measured, frozen)[rows][f"cycle_{g}"] == 2.0
+    with pytest.raises(ValueError, match="no cycle of this arm's loop.*draft vocabulary full"):
+        P.arm_bucket_costs(measured, grow)
+    measured["variant_costs_s"] = {name: {"buckets": {str(rows): {"ratio": 1.25}}}}
+    mine = P.arm_bucket_costs(measured, grow)
+    assert mine[rows][f"cycle_{g}"] == pytest.approx(2.5)
+    assert mine[rows // 2][f"cycle_{g}"] == 1.0 and mine[rows]["step"] == 1.0
+    assert measured["bucket_costs_s"][str(rows)][f"cycle_{g}"] == 2.0  # not modified
+    # tail-aware: every bucket's cycle is needed
+    tail = dataclasses.replace(grow, rollout=dataclasses.replace(grow.rollout, compact=True))
+    with pytest.raises(ValueError, match=rf"\[{rows // 2}"):
+        P.arm_bucket_costs(measured, tail)

@@ -292,7 +292,7 @@ def test_growmtp_predicts_each_arm_from_an_earlier_measurement(tmp_path):
     inputs = {"bucket_costs_s": {"4": {"step": 1.0}}, "learner_s": 9.0, "contention": 0.5}
     path = tmp_path / "results.json"
     path.write_text(json.dumps({"prediction": {"measured_inputs": inputs, "date": "d"}}))
-    got = predicted({"plain": res}, path)
+    got = predicted({"plain": res}, path, tmp_path, "demo")
     a = got["arms"]["plain"]
     assert (a["measured_s"], a["measured_rollout_s"]) == (22.0, 13.0)
     assert a["predicted_s"] == pytest.approx(28.0)
@@ -304,11 +304,11 @@ def test_growmtp_predicts_each_arm_from_an_earlier_measurement(tmp_path):
     first = {"command": "python -m experiments.e2e_speedup.predict", "date": "d0"}
     again = {"measured_inputs": inputs, "date": "d", "measured_by": first}  # a --measured one
     path.write_text(json.dumps({"prediction": again}))
-    assert predicted({"plain": res}, path)["measured_by"] == first
+    assert predicted({"plain": res}, path, tmp_path, "demo")["measured_by"] == first
     other = {**inputs, "batch": cfg.rl.prompts_per_step * cfg.rl.group_size // 2}
     path.write_text(json.dumps({"prediction": {"measured_inputs": other}}))
     with pytest.raises(ValueError, match="measured costs are of rows per step"):
-        predicted({"plain": res}, path)
+        predicted({"plain": res}, path, tmp_path, "demo")
     path.write_text("{}")
     with pytest.raises(SystemExit, match="no prediction with measured inputs"):
         predict.measured_inputs(path)

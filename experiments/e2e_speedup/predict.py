@@ -23,7 +23,12 @@ Measured here, on the base run's models, with nothing else running (`measure`):
   * one GRPO learner step on a batch of the RL shape (`learner_s`; rows x (prompt + budget)
     tokens, fixed-shape);
   * the contention κ of `costs.step_time`: a plain rollout and a learner step started together,
-    κ = (both - the longer alone) / the shorter alone, median of `--repeats`.
+    κ = (both - the longer alone) / the shorter alone, median of `--repeats`;
+  * for an arm whose loop differs from the one timed above (GrowMTP's, which also records what
+    its head trains on, with its own head: `loop_variant`), that loop's cycle at each bucket it
+    runs, timed beside the measured loop in one process; the arm's cycle is the measured one
+    times that ratio (`arm_bucket_costs`). Timed where the inputs lack it, also with
+    `--measured`, and kept with them.
 Read from each arm's own records (`rl/metrics.jsonl`), step by step from step 2 (step 1 also
 compiles): the batch's response lengths (`response_len_hist`), the per-position acceptance
 (`accept_rate_k`), the draft table each rollout used (the last `draft_table` recorded before the
@@ -140,6 +145,22 @@ def load(base: Path, model_name: str, config: str) -> Setup:
     return Setup(cfg, pol, mtp, vocab, layers, src.scfg, np.asarray(toks), np.asarray(lens), source)
 
 
+def _cycle(s: Setup, mtp: tuple, vocab, rows: int, spec, repeats: int) -> tuple[float, float]:
+    """(seconds per verify cycle, compilation seconds) of the speculative loop with the MTP
+    `mtp` (graphdef, params), draft vocabulary `vocab` and `spec` on the first `rows` rows of the
+    RL batch: one whole rollout with EOS off minus its set-up, over its cycles."""
+    t, ln, key = s.toks[:rows], s.lens[:rows], jax.random.key(0)
+    noeos = dataclasses.replace(s.scfg, eos_ids=(), prompt_group=1)
+    args = (*s.pol, *mtp, t, ln, key, noeos, spec, vocab, s.layers)
+    first = []
+    full = _best(lambda: speculative.sample_jit(*args), repeats, first)
+    cycles = int(np.asarray(speculative.sample_jit(*args).stats.verify_calls).max())
+    g = spec.num_draft
+    call = (*s.pol, *mtp, vocab, s.layers, t, ln, key, noeos, spec, True, g, 0)
+    init = _best(lambda: spec_compacted._init_jit(*call).out, repeats)
+    return (full - init) / max(cycles, 1), max(0.0, first[0] - full)
+
+
 def loop_costs(s: Setup, repeats: int) -> dict:
     """Per bucket size: seconds per plain step and per speculative cycle at each γ (the real
     loops, EOS off), and at the full batch the set-ups and one compaction (module docstring)."""
@@ -160,15 +181,7 @@ def loop_costs(s: Setup, repeats: int) -> dict:
         c["step"] = (full - init) / n
         for g in range(1, r.num_draft + 1):
             spec = speculative.SpecConfig(g, r.mode)
-            args = (*s.pol, *s.mtp, t, ln, key, noeos, spec, s.vocab, s.layers)
-            first = []
-            full = _best(lambda args=args: speculative.sample_jit(*args), repeats, first)
-            c[f"compile_{g}"] = max(0.0, first[0] - full)
-            res = speculative.sample_jit(*args)
-            cycles = int(np.asarray(res.stats.verify_calls).max())
-            call = (*s.pol, *s.mtp, s.vocab, s.layers, t, ln, key, noeos, spec, True, g, 0)
-            init = _best(lambda call=call: spec_compacted._init_jit(*call).out, repeats)
-            c[f"cycle_{g}"] = (full - init) / max(cycles, 1)
+            c[f"cycle_{g}"], c[f"compile_{g}"] = _cycle(s, s.mtp, s.vocab, b, spec, repeats)
         out[b] = c
     # the full batch's set-ups, with one prefill per GRPO group as the RL run does
     t, ln = s.toks, s.lens
@@ -291,6 +304,102 @@ def measure(base: Path, model_name: str, config: str, repeats: int) -> dict:
 # ----------------------------------------------------------------------------- per arm
 
 
+def loop_variant(cfg: config_lib.RunConfig) -> str | None:
+    """The speculative loop arm `cfg` ran where it is not the one `loop_costs` times (the base's
+    MTP, nothing recorded), by name: GrowMTP's loop also records each verify's backbone hiddens
+    and per-cycle accept lengths (`SpecConfig.record`) and drafts with the arm's own head (its
+    layers, depth, features and draft vocabulary). None: the loop `loop_costs` times."""
+    if cfg.rollout.mode == "plain" or cfg.rl.mtp_strategy != "growmtp":
+        return None
+    m = cfg.mtp
+    return (
+        f"record, {m.num_layers} layer(s), depth {m.depth}, features {tuple(m.features)}, "
+        f"draft vocabulary {m.draft_vocab or 'full'}"
+    )
+
+
+def variant_buckets(cfg: config_lib.RunConfig) -> list[int]:
+    """The bucket sizes arm `cfg`'s loop runs at: every bucket when tail-aware, else the batch
+    (GrowMTP drafts `rollout.num_draft` at each)."""
+    r, rows = cfg.rollout, cfg.rl.prompts_per_step * cfg.rl.group_size
+    return compaction.bucket_sizes(rows, r.min_bucket) if r.compact else [rows]
+
+
+def variant_costs(s: Setup, cfg: config_lib.RunConfig, repeats: int) -> dict:
+    """Per bucket of arm `cfg` (`variant_buckets`): its loop's seconds per cycle at γ =
+    `rollout.num_draft` (`loop_variant`; a random head of the arm's `mtp` shape, EOS off) and,
+    timed just before it in the same process, the loop `loop_costs` times (`reference_cycle_γ`),
+    and their ratio: what `arm_bucket_costs` scales the measured cycle by."""
+    from flax import nnx
+
+    from benchmarks.common import shaped_mtp
+
+    gd, params, vocab = shaped_mtp(cfg.mtp, nnx.merge(*s.pol).cfg)
+    vocab = None if vocab is None else jnp.asarray(vocab)
+    g, mode, out = cfg.rollout.num_draft, cfg.rollout.mode, {}
+    for b in variant_buckets(cfg):
+        if b > s.toks.shape[0]:
+            raise ValueError(f"arm of {b} rows per bucket; the timed batch has {s.toks.shape[0]}")
+        ref, _ = _cycle(s, s.mtp, s.vocab, b, speculative.SpecConfig(g, mode), repeats)
+        rec = speculative.SpecConfig(g, mode, record=True)
+        cyc, comp = _cycle(s, (gd, params), vocab, b, rec, repeats)
+        out[str(b)] = {
+            f"cycle_{g}": cyc,
+            f"compile_{g}": comp,
+            f"reference_cycle_{g}": ref,
+            "ratio": cyc / ref,
+        }
+    return out
+
+
+def arm_bucket_costs(measured: dict, cfg: config_lib.RunConfig) -> dict:
+    """The per-bucket costs of the loop arm `cfg` ran: `measured`'s, where the arm ran a
+    `loop_variant` with its cycle at γ = `rollout.num_draft` scaled by the ratio timed beside
+    the measured loop (`variant_costs`: timed in one process, the ratio carries over to costs
+    measured on another day; the seconds would not)."""
+    bucket = {int(b): dict(c) for b, c in measured["bucket_costs_s"].items()}
+    name = loop_variant(cfg)
+    if name is None:
+        return bucket
+    have = (measured.get("variant_costs_s") or {}).get(name, {}).get("buckets", {})
+    sizes = variant_buckets(cfg)
+    missing = [b for b in sizes if str(b) not in have]
+    if missing:
+        raise ValueError(
+            f"the measured costs have no cycle of this arm's loop ({name}) at {missing} rows: "
+            "time it (experiments.e2e_speedup.predict times the loops of the arms it predicts)"
+        )
+    g = cfg.rollout.num_draft
+    for b in sizes:
+        bucket[b][f"cycle_{g}"] = bucket[b][f"cycle_{g}"] * have[str(b)]["ratio"]
+    return bucket
+
+
+def with_variants(
+    measured: dict, cfgs: list, base: Path, model_name: str, config: str, repeats: int
+) -> dict:
+    """`measured` with the loops of the arm configs `cfgs` (dicts, as kept) it lacks timed on
+    the base's policy (`variant_costs`), each with its date and machine."""
+    have = dict(measured.get("variant_costs_s") or {})
+    need = {}
+    for c in cfgs:
+        cfg = config_lib.from_dict(config_lib.RunConfig, c)
+        name = loop_variant(cfg)
+        if name is not None and name not in have:
+            need[name] = cfg
+    if not need:
+        return measured
+    s = load(base, model_name, config)
+    for name, cfg in need.items():
+        print(f"timing the loop of {name} beside the measured one", flush=True)
+        have[name] = {
+            "buckets": variant_costs(s, cfg, repeats),
+            "date": time.strftime("%Y-%m-%d", time.gmtime()),
+            "machine": f"{jax.devices()[0].platform}, {jax.device_count()} device(s)",
+        }
+    return {**measured, "variant_costs_s": have}
+
+
 def arm_spec(cfg: config_lib.RunConfig) -> costs.ArmSpec:
     r = cfg.rollout
     spec = r.mode != "plain"
@@ -393,7 +502,7 @@ def predict_arm(cfg: dict, records: list[dict], measured: dict, sims: int) -> di
     derived = spec.speculative and spec.compact and not cfg.rollout.draft_table
     derived = derived and cfg.rl.mtp_strategy != "growmtp"
     steps, measured_s, measured_roll = arm_steps(records, spec, derived, measured["learner_s"])
-    bucket = {int(b): c for b, c in measured["bucket_costs_s"].items()}
+    bucket = arm_bucket_costs(measured, cfg)
     # the programs of step 1 (excluded) are compiled: its table is the configured one
     compiled = costs.programs(spec, max(bucket))
     p = costs.predict_run(
@@ -475,7 +584,10 @@ def main(argv=None):
     earlier = measured_inputs(Path(args.measured)) if args.measured else None
     name = "demo" if args.model == "demo" else "smollm2"
     measured = earlier["measured_inputs"] if earlier else measure(base, name, config, args.repeats)
-    predicted = {n: predict_arm(*arm_run(root, n, base), measured, args.sims) for n in names}
+    runs = {n: arm_run(root, n, base) for n in names}
+    cfgs = [c for c, _ in runs.values()]
+    measured = with_variants(measured, cfgs, base, name, config, args.repeats)
+    predicted = {n: predict_arm(c, recs, measured, args.sims) for n, (c, recs) in runs.items()}
     print_prediction(predicted)
     path = Path(args.results) if args.results else common.outputs(args, HERE, root) / m.results
     res = json.loads(path.read_text()) if path.exists() else {}

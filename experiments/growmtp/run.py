@@ -32,6 +32,7 @@ file (`--runlocal` / `--set`: under `<out>/results/`). Last line: one JSON objec
 
 from __future__ import annotations
 
+import json
 import time
 from pathlib import Path
 
@@ -82,13 +83,14 @@ def pays_by_cost_model(res: arms.ArmResult, costs_file: Path, window: int) -> di
     """The step from which the arm's running-mean accept length stays at or above the cost
     model's break-even (`costs.break_even_accept_len` at the full batch and `rollout.num_draft`,
     from the per-bucket costs `experiments.e2e_speedup.predict` measured and wrote to
-    `costs_file`), with the head those costs were timed for and the arm's draft vocabulary (0:
-    the full vocabulary, whose draft steps cost more than a smaller vocabulary's: where the
-    costs were timed for a smaller one, `costs_timed_for`, the break-even is a lower bound)."""
+    `costs_file`, with the cycle of the arm's own loop where it was timed: `predicted` times it),
+    with the head those costs were timed for and the arm's draft vocabulary (0: the full one)."""
+    from bebop import config as config_lib
     from experiments.e2e_speedup import predict
 
     measured = predict.measured_inputs(Path(costs_file))["measured_inputs"]
-    bucket = {int(b): c for b, c in measured["bucket_costs_s"].items()}
+    cfg = config_lib.from_dict(config_lib.RunConfig, res.config)
+    bucket = predict.arm_bucket_costs(measured, cfg)
     batch = max(bucket)
     gamma = max(int(k.split("_")[1]) for k in bucket[batch] if k.startswith("cycle_"))
     need = costs.break_even_accept_len(bucket, batch, gamma)
@@ -100,22 +102,34 @@ def pays_by_cost_model(res: arms.ArmResult, costs_file: Path, window: int) -> di
         "batch": batch,
         "gamma": gamma,
         "pays_from_step": first,
-        "costs_timed_for": measured.get("mtp"),
+        "costs_timed_for": predict.loop_variant(cfg) or measured.get("mtp"),
         "arm_draft_vocab": (res.config.get("mtp") or {}).get("draft_vocab"),
     }
 
 
-def predicted(results: dict[str, arms.ArmResult], costs_file: Path, sims: int = 64) -> dict:
+def predicted(
+    results: dict[str, arms.ArmResult], costs_file: Path, base: Path, model: str, sims: int = 64
+) -> dict:
     """The cost model's prediction of each arm's RL time and rollout time over steps 2..N
     (`experiments.e2e_speedup.predict.predict_arm`) from the measured inputs in `costs_file`,
-    with the command and date that measured them."""
+    with the command and date that measured them. GrowMTP's loops (which also record what the
+    head trains on) that `costs_file` lacks are timed here beside the measured loop on `base`'s
+    policy (`predict.with_variants`, a few minutes) and kept in `costs_file`."""
     from experiments.e2e_speedup import predict
 
     inputs = predict.measured_inputs(costs_file)
+    m = common.MODELS[model]
+    measured = predict.with_variants(
+        inputs["measured_inputs"], [r.config for r in results.values()], base, model, m.config, 3
+    )
+    if measured is not inputs["measured_inputs"]:  # newly timed loops: kept for later launches
+        saved = json.loads(costs_file.read_text())
+        saved["prediction"]["measured_inputs"] = measured
+        common.write_json(costs_file, saved)
     arms_, missing = {}, {}
     for n, r in results.items():
         try:
-            arms_[n] = predict.predict_arm(r.config, r.records, inputs["measured_inputs"], sims)
+            arms_[n] = predict.predict_arm(r.config, r.records, measured, sims)
         except KeyError as e:  # records from before the cost model's inputs were
             if "response_len_hist" not in str(e):
                 raise
@@ -224,10 +238,10 @@ def main():
     results = common.study2_chosen(names, every, base, root, args)
     rows = {n: row(results[n], results.get("plain"), args.window) for n in SPEC if n in results}
     prediction = {}
-    if args.costs:
+    if args.costs:  # the prediction first: it times the arms' loops the costs lack
+        prediction = predicted(results, Path(args.costs), base, args.model)
         for n in rows:
             rows[n]["cost_model"] = pays_by_cost_model(results[n], Path(args.costs), args.window)
-        prediction = predicted(results, Path(args.costs))
     out = common.outputs(args, HERE, root)
     figures(results, args.window, args.model, out)
     for n, r in rows.items():
