@@ -260,11 +260,13 @@ def test_break_even_accept_length():
     assert t_spec == pytest.approx(C.rollout_time([400], c, C.ArmSpec())["seconds"])
 
 
-def test_growmtp_arms_are_predicted_with_their_own_recording_loop():
+def test_growmtp_arms_are_predicted_with_their_own_recording_loop(monkeypatch):
     """`experiments.e2e_speedup.predict`: a GrowMTP arm's loop also records what its head
-    trains on and drafts with its own head; its cycle is the measured one scaled by the ratio
-    timed beside it, at each bucket it runs (every bucket when tail-aware), and an arm whose
-    loop was not timed is refused, naming the loop."""
+    trains on and drafts with its own head; its cycle at γ = `rollout.num_draft` is the measured
+    one scaled by the ratio timed beside it, at each bucket it runs (every bucket when
+    tail-aware), other γ and the plain step untouched; an arm whose loop (γ and rule included)
+    was not timed is refused, naming the loop; `with_variants` times only the missing buckets
+    and merges them into what was timed."""
     import dataclasses
 
     from bebop import config as config_lib
@@ -272,32 +274,62 @@ def test_growmtp_arms_are_predicted_with_their_own_recording_loop():
 
     from .conftest import REPO
 
+    def replace(cfg, **sections):
+        return dataclasses.replace(
+            cfg, **{k: dataclasses.replace(getattr(cfg, k), **v) for k, v in sections.items()}
+        )
+
     frozen = config_lib.load(str(REPO / "configs/rl_smollm2.py"))[0]
     assert P.loop_variant(frozen) is None  # the loop `loop_costs` times
-    grow = dataclasses.replace(
+    grow = replace(
         frozen,
-        rl=dataclasses.replace(frozen.rl, mtp_strategy="growmtp"),
-        mtp=dataclasses.replace(frozen.mtp, draft_vocab=0),
-        rollout=dataclasses.replace(frozen.rollout, compact=False),
+        rl=dict(mtp_strategy="growmtp"),
+        mtp=dict(draft_vocab=0),
+        rollout=dict(compact=False, num_draft=3),
     )
     name = P.loop_variant(grow)
-    assert "record" in name and "draft vocabulary full" in name
-    g, rows = grow.rollout.num_draft, grow.rl.prompts_per_step * grow.rl.group_size
+    assert "record" in name and "γ 3" in name and "draft vocabulary full" in name
+    rows = grow.rl.prompts_per_step * grow.rl.group_size
+    half = rows // 2
     measured = {
         "bucket_costs_s": {
-            str(rows): {"step": 1.0, f"cycle_{g}": 2.0},
-            str(rows // 2): {"step": 0.5, f"cycle_{g}": 1.0},
+            str(rows): {"step": 1.0, "cycle_2": 1.5, "cycle_3": 2.0},
+            str(half): {"step": 0.5, "cycle_2": 0.8, "cycle_3": 1.0},
         }
     }
-    assert P.arm_bucket_costs(measured, frozen)[rows][f"cycle_{g}"] == 2.0
+    assert P.arm_bucket_costs(measured, frozen)[rows]["cycle_3"] == 2.0
     with pytest.raises(ValueError, match="no cycle of this arm's loop.*draft vocabulary full"):
         P.arm_bucket_costs(measured, grow)
-    measured["variant_costs_s"] = {name: {"buckets": {str(rows): {"ratio": 1.25}}}}
+    measured["variant_costs_s"] = {name: {"buckets": {str(rows): {"cycle_3": 9.0, "ratio": 1.25}}}}
     mine = P.arm_bucket_costs(measured, grow)
-    assert mine[rows][f"cycle_{g}"] == pytest.approx(2.5)
-    assert mine[rows // 2][f"cycle_{g}"] == 1.0 and mine[rows]["step"] == 1.0
-    assert measured["bucket_costs_s"][str(rows)][f"cycle_{g}"] == 2.0  # not modified
-    # tail-aware: every bucket's cycle is needed
-    tail = dataclasses.replace(grow, rollout=dataclasses.replace(grow.rollout, compact=True))
-    with pytest.raises(ValueError, match=rf"\[{rows // 2}"):
+    assert mine[rows]["cycle_3"] == pytest.approx(2.5)
+    assert mine[rows]["cycle_2"] == 1.5 and mine[rows]["step"] == 1.0
+    assert mine[half]["cycle_3"] == 1.0  # a static arm runs the full batch only
+    assert measured["bucket_costs_s"][str(rows)]["cycle_3"] == 2.0  # not modified
+    # another γ is another loop: its ratio was not timed
+    with pytest.raises(ValueError, match="γ 2"):
+        P.arm_bucket_costs(measured, replace(grow, rollout=dict(num_draft=2)))
+    # tail-aware: every bucket's cycle is needed, and each is scaled by its own ratio
+    tail = replace(grow, rollout=dict(compact=True, min_bucket=half))
+    assert P.loop_variant(tail) == name and P.variant_buckets(tail) == [rows, half]
+    with pytest.raises(ValueError, match=rf"\[{half}\] rows"):
         P.arm_bucket_costs(measured, tail)
+    timed = []
+
+    def fake_costs(s, cfg, sizes, repeats):
+        timed.append(list(sizes))
+        return {str(b): {"cycle_3": 0.0, "ratio": 2.0} for b in sizes}
+
+    monkeypatch.setattr(P, "load", lambda *a: "setup")
+    monkeypatch.setattr(P, "variant_costs", fake_costs)
+    cfgs = [config_lib.to_dict(c) for c in (frozen, grow, tail)]
+    both = P.with_variants(measured, cfgs, None, "smollm2", "", 1)
+    assert timed == [[half]]  # only what was missing
+    tail_costs = P.arm_bucket_costs(both, tail)
+    assert tail_costs[rows]["cycle_3"] == pytest.approx(2.5)  # the earlier ratio kept
+    assert tail_costs[half]["cycle_3"] == pytest.approx(2.0)
+    assert P.with_variants(both, cfgs, None, "smollm2", "", 1) is both  # nothing to time
+    other = replace(tail, rl=dict(prompts_per_step=grow.rl.prompts_per_step * 2))
+    timed.clear()
+    assert P.with_variants(measured | {"batch": rows}, [config_lib.to_dict(other)], None, "", "", 1)
+    assert timed == []  # another batch: left to predict_arm's refusal

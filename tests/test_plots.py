@@ -255,17 +255,15 @@ def test_growmtp_pays_by_the_cost_model_from_the_last_step_below_break_even(tmp_
 
     bucket = {"32": {"step": 0.1, "cycle_1": 0.15, "cycle_3": 0.3}, "8": {"step": 0.05}}
     inputs = {"bucket_costs_s": bucket, "mtp": "a head of 8192 tokens"}
-    path = tmp_path / "costs.json"
-    path.write_text(json.dumps({"prediction": {"measured_inputs": inputs}}))
     alen = [1.0, 2.0, 4.0, 2.5, 3.5, 3.5, 4.0]  # running means 1, 1.5, 3, 3.25, 3, 3.5, 3.75
     recs = [{"step": s + 1, "accept_len": a} for s, a in enumerate(alen)]
     res = arms.ArmResult(arms.Arm("g", "g"), {}, recs, None, {"mtp": {"draft_vocab": 0}})
-    got = pays_by_cost_model(res, path, window=2)
+    got = pays_by_cost_model(res, inputs, window=2)
     assert got["break_even_accept_len"] == pytest.approx(3.0)
     assert (got["batch"], got["gamma"], got["pays_from_step"]) == (32, 3, 3)
     assert got["costs_timed_for"] == "a head of 8192 tokens" and got["arm_draft_vocab"] == 0
     recs[-1]["accept_len"] = 1.0  # the last running mean falls to 2.25: never
-    assert pays_by_cost_model(res, path, window=2)["pays_from_step"] is None
+    assert pays_by_cost_model(res, inputs, window=2)["pays_from_step"] is None
 
 
 def test_growmtp_predicts_each_arm_from_an_earlier_measurement(tmp_path):

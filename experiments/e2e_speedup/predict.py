@@ -306,43 +306,45 @@ def measure(base: Path, model_name: str, config: str, repeats: int) -> dict:
 
 def loop_variant(cfg: config_lib.RunConfig) -> str | None:
     """The speculative loop arm `cfg` ran where it is not the one `loop_costs` times (the base's
-    MTP, nothing recorded), by name: GrowMTP's loop also records each verify's backbone hiddens
-    and per-cycle accept lengths (`SpecConfig.record`) and drafts with the arm's own head (its
-    layers, depth, features and draft vocabulary). None: the loop `loop_costs` times."""
-    if cfg.rollout.mode == "plain" or cfg.rl.mtp_strategy != "growmtp":
+    MTP, nothing recorded), by name: an arm whose MTP updates read the rollouts (GrowMTP, an
+    online DCA loss: `learner.rollout_records`) runs a loop that also records each verify's
+    backbone hiddens and per-cycle accept lengths (`SpecConfig.record`), drafting with the
+    arm's own head (its layers, depth, features and draft vocabulary) at γ = `rollout.num_draft`
+    under `rollout.mode`. None: the loop `loop_costs` times."""
+    if cfg.rollout.mode == "plain" or not learner.rollout_records(cfg.rl)[0]:
         return None
-    m = cfg.mtp
+    m, r = cfg.mtp, cfg.rollout
     return (
-        f"record, {m.num_layers} layer(s), depth {m.depth}, features {tuple(m.features)}, "
-        f"draft vocabulary {m.draft_vocab or 'full'}"
+        f"record, γ {r.num_draft}, {r.mode}, {m.num_layers} layer(s), depth {m.depth}, "
+        f"features {tuple(m.features)}, draft vocabulary {m.draft_vocab or 'full'}"
     )
 
 
 def variant_buckets(cfg: config_lib.RunConfig) -> list[int]:
     """The bucket sizes arm `cfg`'s loop runs at: every bucket when tail-aware, else the batch
-    (GrowMTP drafts `rollout.num_draft` at each)."""
+    (a recording loop drafts `rollout.num_draft` at each: `config.py` refuses another table)."""
     r, rows = cfg.rollout, cfg.rl.prompts_per_step * cfg.rl.group_size
     return compaction.bucket_sizes(rows, r.min_bucket) if r.compact else [rows]
 
 
-def variant_costs(s: Setup, cfg: config_lib.RunConfig, repeats: int) -> dict:
-    """Per bucket of arm `cfg` (`variant_buckets`): its loop's seconds per cycle at γ =
+def variant_costs(s: Setup, cfg: config_lib.RunConfig, sizes, repeats: int) -> dict:
+    """Per bucket size in `sizes`: arm `cfg`'s loop's seconds per cycle at γ =
     `rollout.num_draft` (`loop_variant`; a random head of the arm's `mtp` shape, EOS off) and,
-    timed just before it in the same process, the loop `loop_costs` times (`reference_cycle_γ`),
-    and their ratio: what `arm_bucket_costs` scales the measured cycle by."""
+    timed just before it in the same process, those of the loop `loop_costs` times (the base's
+    MTP and rule, `reference_cycle_γ`), and their ratio: what `arm_bucket_costs` scales the
+    measured cycle by."""
     from flax import nnx
 
     from benchmarks.common import shaped_mtp
 
     gd, params, vocab = shaped_mtp(cfg.mtp, nnx.merge(*s.pol).cfg)
     vocab = None if vocab is None else jnp.asarray(vocab)
-    g, mode, out = cfg.rollout.num_draft, cfg.rollout.mode, {}
-    for b in variant_buckets(cfg):
-        if b > s.toks.shape[0]:
-            raise ValueError(f"arm of {b} rows per bucket; the timed batch has {s.toks.shape[0]}")
-        ref, _ = _cycle(s, s.mtp, s.vocab, b, speculative.SpecConfig(g, mode), repeats)
-        rec = speculative.SpecConfig(g, mode, record=True)
-        cyc, comp = _cycle(s, (gd, params), vocab, b, rec, repeats)
+    g, out = cfg.rollout.num_draft, {}
+    reference = speculative.SpecConfig(g, s.cfg.rollout.mode)
+    mine = speculative.SpecConfig(g, cfg.rollout.mode, record=True)
+    for b in sizes:
+        ref, _ = _cycle(s, s.mtp, s.vocab, b, reference, repeats)
+        cyc, comp = _cycle(s, (gd, params), vocab, b, mine, repeats)
         out[str(b)] = {
             f"cycle_{g}": cyc,
             f"compile_{g}": comp,
@@ -350,6 +352,16 @@ def variant_costs(s: Setup, cfg: config_lib.RunConfig, repeats: int) -> dict:
             "ratio": cyc / ref,
         }
     return out
+
+
+def missing_buckets(measured: dict, cfg: config_lib.RunConfig) -> list[int]:
+    """The buckets of arm `cfg`'s `loop_variant` whose ratio `measured` lacks."""
+    name = loop_variant(cfg)
+    if name is None:
+        return []
+    have = (measured.get("variant_costs_s") or {}).get(name, {}).get("buckets", {})
+    key = f"cycle_{cfg.rollout.num_draft}"
+    return [b for b in variant_buckets(cfg) if key not in have.get(str(b), {})]
 
 
 def arm_bucket_costs(measured: dict, cfg: config_lib.RunConfig) -> dict:
@@ -361,16 +373,15 @@ def arm_bucket_costs(measured: dict, cfg: config_lib.RunConfig) -> dict:
     name = loop_variant(cfg)
     if name is None:
         return bucket
-    have = (measured.get("variant_costs_s") or {}).get(name, {}).get("buckets", {})
-    sizes = variant_buckets(cfg)
-    missing = [b for b in sizes if str(b) not in have]
+    missing = missing_buckets(measured, cfg)
     if missing:
         raise ValueError(
             f"the measured costs have no cycle of this arm's loop ({name}) at {missing} rows: "
             "time it (experiments.e2e_speedup.predict times the loops of the arms it predicts)"
         )
+    have = measured["variant_costs_s"][name]["buckets"]
     g = cfg.rollout.num_draft
-    for b in sizes:
+    for b in variant_buckets(cfg):
         bucket[b][f"cycle_{g}"] = bucket[b][f"cycle_{g}"] * have[str(b)]["ratio"]
     return bucket
 
@@ -378,25 +389,31 @@ def arm_bucket_costs(measured: dict, cfg: config_lib.RunConfig) -> dict:
 def with_variants(
     measured: dict, cfgs: list, base: Path, model_name: str, config: str, repeats: int
 ) -> dict:
-    """`measured` with the loops of the arm configs `cfgs` (dicts, as kept) it lacks timed on
-    the base's policy (`variant_costs`), each with its date and machine."""
-    have = dict(measured.get("variant_costs_s") or {})
-    need = {}
+    """`measured` with the loops of the arm configs `cfgs` (dicts, as kept) timed where it lacks
+    a bucket of them (`variant_costs` on the base's policy, merged into what it has, each timing
+    with its date and machine); arms of another batch or token budget than `measured`'s are
+    left to `predict_arm`'s refusal."""
+    need: dict[str, tuple] = {}
     for c in cfgs:
         cfg = config_lib.from_dict(config_lib.RunConfig, c)
-        name = loop_variant(cfg)
-        if name is not None and name not in have:
-            need[name] = cfg
+        rows, budget = cfg.rl.prompts_per_step * cfg.rl.group_size, cfg.rollout.max_new_tokens
+        if measured.get("batch", rows) != rows or measured.get("budget", budget) != budget:
+            continue  # refused by `predict_arm`, naming the difference
+        missing = missing_buckets(measured, cfg)
+        if missing:
+            name = loop_variant(cfg)
+            sizes = sorted(set(missing) | set(need.get(name, (cfg, []))[1]), reverse=True)
+            need[name] = (cfg, sizes)
     if not need:
         return measured
     s = load(base, model_name, config)
-    for name, cfg in need.items():
-        print(f"timing the loop of {name} beside the measured one", flush=True)
-        have[name] = {
-            "buckets": variant_costs(s, cfg, repeats),
-            "date": time.strftime("%Y-%m-%d", time.gmtime()),
-            "machine": f"{jax.devices()[0].platform}, {jax.device_count()} device(s)",
-        }
+    have = {k: dict(v) for k, v in (measured.get("variant_costs_s") or {}).items()}
+    for name, (cfg, sizes) in need.items():
+        print(f"timing the loop of {name} at {sizes} rows beside the measured one", flush=True)
+        entry = have.setdefault(name, {})
+        entry["buckets"] = {**entry.get("buckets", {}), **variant_costs(s, cfg, sizes, repeats)}
+        entry["date"] = time.strftime("%Y-%m-%d", time.gmtime())
+        entry["machine"] = f"{jax.devices()[0].platform}, {jax.device_count()} device(s)"
     return {**measured, "variant_costs_s": have}
 
 

@@ -79,20 +79,21 @@ def after_step_1(res: arms.ArmResult, key: str):
     return step[1:], y[1:]
 
 
-def pays_by_cost_model(res: arms.ArmResult, costs_file: Path, window: int) -> dict:
+def pays_by_cost_model(res: arms.ArmResult, measured: dict, window: int) -> dict:
     """The step from which the arm's running-mean accept length stays at or above the cost
-    model's break-even (`costs.break_even_accept_len` at the full batch and `rollout.num_draft`,
-    from the per-bucket costs `experiments.e2e_speedup.predict` measured and wrote to
-    `costs_file`, with the cycle of the arm's own loop where it was timed: `predicted` times it),
-    with the head those costs were timed for and the arm's draft vocabulary (0: the full one)."""
+    model's break-even (`costs.break_even_accept_len` at the full batch and `rollout.num_draft`)
+    from `measured`, the per-bucket costs `experiments.e2e_speedup.predict` measured, with the
+    cycle of the arm's own loop (`predict.arm_bucket_costs`; `predicted` times it where
+    missing), with the loop those costs are of and the arm's draft vocabulary (0: the full one)."""
     from bebop import config as config_lib
     from experiments.e2e_speedup import predict
 
-    measured = predict.measured_inputs(Path(costs_file))["measured_inputs"]
     cfg = config_lib.from_dict(config_lib.RunConfig, res.config)
     bucket = predict.arm_bucket_costs(measured, cfg)
     batch = max(bucket)
-    gamma = max(int(k.split("_")[1]) for k in bucket[batch] if k.startswith("cycle_"))
+    gamma = cfg.rollout.num_draft
+    if cfg.rollout.mode == "plain" or not gamma:  # the longest cycle timed
+        gamma = max(int(k.split("_")[1]) for k in bucket[batch] if k.startswith("cycle_"))
     need = costs.break_even_accept_len(bucket, batch, gamma)
     step, alen = res.series("accept_len")
     # "slower than plain" where the running accept length is below the break-even
@@ -108,24 +109,31 @@ def pays_by_cost_model(res: arms.ArmResult, costs_file: Path, window: int) -> di
 
 
 def predicted(
-    results: dict[str, arms.ArmResult], costs_file: Path, base: Path, model: str, sims: int = 64
+    results: dict[str, arms.ArmResult],
+    costs_file: Path,
+    base: Path,
+    model: str,
+    sims: int = 64,
+    config: str | None = None,
+    keep: bool = True,
 ) -> dict:
     """The cost model's prediction of each arm's RL time and rollout time over steps 2..N
     (`experiments.e2e_speedup.predict.predict_arm`) from the measured inputs in `costs_file`,
-    with the command and date that measured them. GrowMTP's loops (which also record what the
-    head trains on) that `costs_file` lacks are timed here beside the measured loop on `base`'s
-    policy (`predict.with_variants`, a few minutes) and kept in `costs_file`."""
+    with the command and date that measured them. The GrowMTP arms' loops (which also record
+    what the head trains on) that `costs_file` lacks are timed here beside the measured loop on
+    `base`'s policy with `config` (default: the model's arm config; `predict.with_variants`, a
+    few minutes) and, with `keep`, added to `costs_file`'s measured inputs."""
+    from bebop import io
     from experiments.e2e_speedup import predict
 
     inputs = predict.measured_inputs(costs_file)
-    m = common.MODELS[model]
-    measured = predict.with_variants(
-        inputs["measured_inputs"], [r.config for r in results.values()], base, model, m.config, 3
-    )
-    if measured is not inputs["measured_inputs"]:  # newly timed loops: kept for later launches
+    config = config or common.MODELS[model].config
+    cfgs = [r.config for r in results.values()]
+    measured = predict.with_variants(inputs["measured_inputs"], cfgs, base, model, config, 3)
+    if keep and measured is not inputs["measured_inputs"]:  # newly timed: kept for later runs
         saved = json.loads(costs_file.read_text())
         saved["prediction"]["measured_inputs"] = measured
-        common.write_json(costs_file, saved)
+        io.write_json_atomic(costs_file, saved, indent=1)
     arms_, missing = {}, {}
     for n, r in results.items():
         try:
@@ -139,6 +147,7 @@ def predicted(
     return {
         "inputs_from": str(costs_file),
         "measured_by": predict.measured_by(inputs),
+        "measured_inputs": measured,
         "arms": arms_,
         **({"not_predicted": missing} if missing else {}),
         "max_abs_pred_error": max((abs(a["pred_error"]) for a in arms_.values()), default=None),
@@ -239,9 +248,13 @@ def main():
     rows = {n: row(results[n], results.get("plain"), args.window) for n in SPEC if n in results}
     prediction = {}
     if args.costs:  # the prediction first: it times the arms' loops the costs lack
-        prediction = predicted(results, Path(args.costs), base, args.model)
+        local = args.runlocal or bool(args.set)  # a smoke or --set run keeps no timing
+        config = common.MODELS[args.model].config + (":runlocal" if args.runlocal else "")
+        prediction = predicted(results, Path(args.costs), base, args.model, 64, config, not local)
         for n in rows:
-            rows[n]["cost_model"] = pays_by_cost_model(results[n], Path(args.costs), args.window)
+            rows[n]["cost_model"] = pays_by_cost_model(
+                results[n], prediction["measured_inputs"], args.window
+            )
     out = common.outputs(args, HERE, root)
     figures(results, args.window, args.model, out)
     for n, r in rows.items():
