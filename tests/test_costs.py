@@ -271,6 +271,7 @@ def test_growmtp_arms_are_predicted_with_their_own_recording_loop(monkeypatch):
 
     from bebop import config as config_lib
     from experiments.e2e_speedup import predict as P
+    from experiments.e2e_speedup import timing
 
     from .conftest import REPO
 
@@ -320,8 +321,8 @@ def test_growmtp_arms_are_predicted_with_their_own_recording_loop(monkeypatch):
         timed.append(list(sizes))
         return {str(b): {"cycle_3": 0.0, "ratio": 2.0} for b in sizes}
 
-    monkeypatch.setattr(P, "load", lambda *a: "setup")
-    monkeypatch.setattr(P, "variant_costs", fake_costs)
+    monkeypatch.setattr(timing, "load", lambda *a: "setup")
+    monkeypatch.setattr(timing, "variant_costs", fake_costs)
     cfgs = [config_lib.to_dict(c) for c in (frozen, grow, tail)]
     both = P.with_variants(measured, cfgs, None, "smollm2", "", 1)
     assert timed == [[half]]  # only what was missing

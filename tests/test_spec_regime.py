@@ -649,7 +649,7 @@ def test_predict_times_random_weights_of_the_trained_mtps_shape(tmp_path):
     """benchmarks.common.shaped_mtp: a random MTP of an `mtp` section has the parameter shapes a
     trained checkpoint of that section restores into (`policies.abstract_mtp`) and a draft
     vocabulary of its size; a draft vocabulary larger than the policy's is an error naming the
-    key. predict.load refuses a demo base without a trained MTP by name."""
+    key. timing.load refuses a demo base without a trained MTP by name."""
     import dataclasses
 
     import jax
@@ -657,7 +657,7 @@ def test_predict_times_random_weights_of_the_trained_mtps_shape(tmp_path):
     from bebop import config as config_lib
     from bebop import policies
     from benchmarks.common import shaped_mtp
-    from experiments.e2e_speedup import predict
+    from experiments.e2e_speedup import timing
 
     pol_cfg = config_lib.load("configs/demo.py")[0].model
     shape = dataclasses.replace(
@@ -674,7 +674,7 @@ def test_predict_times_random_weights_of_the_trained_mtps_shape(tmp_path):
         shaped_mtp(too_big, pol_cfg)
     (tmp_path / "config.json").write_text("{}")
     with pytest.raises(SystemExit, match="mtp/summary.json"):
-        predict.load(tmp_path, "demo", "configs/demo.py")
+        timing.load(tmp_path, "demo", "configs/demo.py")
 
 
 def test_arms_that_drafted_with_different_pre_rl_mtps_are_not_compared():

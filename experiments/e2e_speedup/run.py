@@ -323,7 +323,7 @@ def main():
         names = common.chosen_arms(ap, args, known)
     t0 = time.perf_counter()
     # plain arms alone need no trained base (--predict then times random weights of the MTP's
-    # shape: predict.load)
+    # shape: timing.load)
     base, root = common.study2_base(args, "timed_root", names)
     results = run_arms(names, base, root, args)
     if args.model != "demo":  # the study's other arms that are finished or kept (no launch)
