@@ -230,8 +230,13 @@ def sample_compacted(
 # ----------------------------------------------------------------------------- loop costs
 
 
-def _best_time(fn, repeats: int) -> float:
+def best_time(fn, repeats: int, first: list | None = None) -> float:
+    """Best seconds of `repeats` calls of `fn` after one that compiles or warms up (its
+    seconds appended to `first`)."""
+    t0 = time.perf_counter()
     jax.block_until_ready(fn())  # compile, or warm up
+    if first is not None:
+        first.append(time.perf_counter() - t0)
     best = float("inf")
     for _ in range(repeats):
         t0 = time.perf_counter()
@@ -293,7 +298,7 @@ def loop_cost_timers(pol, layers, mtp, vocab, batch, context, gammas, iters=16) 
 def time_costs(timers: dict, iters: int, repeats=3) -> dict:
     """Seconds per iteration of each of `loop_cost_timers`' timers (built with the same `iters`),
     best of `repeats`."""
-    return {name: _best_time(fn, repeats) / iters for name, fn in timers.items()}
+    return {name: best_time(fn, repeats) / iters for name, fn in timers.items()}
 
 
 def loop_costs(pol, layers, mtp, vocab, batch, context, gammas, iters=16, repeats=3) -> dict:

@@ -36,23 +36,10 @@ from bebop import compaction, costs, model, sampling, sharding, spec_compacted, 
 from bebop import config as config_lib
 from bebop.rl import learner, loop
 from bebop.rl import rollouts as rl_rollouts
+from bebop.spec_compacted import best_time as _best
 from bebop.train import TrainState, make_optimizer
 from benchmarks.common import load_models
 from experiments import arms
-
-
-def _best(fn, repeats: int, first: list | None = None) -> float:
-    """Best of `repeats` calls after one that compiles (its seconds appended to `first`)."""
-    t0 = time.perf_counter()
-    jax.block_until_ready(fn())  # compiles
-    if first is not None:
-        first.append(time.perf_counter() - t0)
-    best = float("inf")
-    for _ in range(repeats):
-        t0 = time.perf_counter()
-        jax.block_until_ready(fn())
-        best = min(best, time.perf_counter() - t0)
-    return best
 
 
 @dataclasses.dataclass
