@@ -93,8 +93,8 @@ def missing_buckets(measured: dict, cfg: config_lib.RunConfig) -> list[int]:
 def arm_bucket_costs(measured: dict, cfg: config_lib.RunConfig) -> dict:
     """The per-bucket costs of the loop arm `cfg` ran: `measured`'s, where the arm ran a
     `loop_variant` with its cycle at γ = `rollout.num_draft` scaled by the ratio timed beside
-    the measured loop (`variant_costs`: timed in one process, the ratio carries over to costs
-    measured on another day; the seconds would not)."""
+    the measured loop (`timing.variant_costs`: timed in one process, the ratio carries over to
+    costs measured on another day; the seconds would not)."""
     bucket = {int(b): dict(c) for b, c in measured["bucket_costs_s"].items()}
     name = loop_variant(cfg)
     if name is None:
