@@ -11,6 +11,7 @@ import pytest
 from bebop import config as config_lib
 from benchmarks.common import trained_mtp_config
 from experiments import mtp_arms
+from experiments.draft_features import loop_costs
 from experiments.draft_features import run as draft_features
 
 
@@ -67,6 +68,22 @@ def test_speed_figures_are_medians_over_processes_at_the_best_gamma():
     assert f["draft_cost"] == pytest.approx(0.18) and f["processes"] == 3
     assert f["per_gamma"]["4"]["verify_cost"] == pytest.approx(1.4)
     assert f["per_gamma"]["1"]["accept_len"] == pytest.approx(1.5)
+
+
+def test_loop_costs_are_paired_per_round():
+    """A machine twice as slow in one round moves neither figure: each round's cycles are
+    divided by that round's plain step and by the reference arm's cycle of that round."""
+    rounds = [
+        {"step_s": 0.01, "cycle_s": {"last_d1": {3: 0.016}, "layers3_d2": {3: 0.020}}},
+        {"step_s": 0.02, "cycle_s": {"last_d1": {3: 0.032}, "layers3_d2": {3: 0.040}}},
+        {"step_s": 0.01, "cycle_s": {"last_d1": {3: 0.018}, "layers3_d2": {3: 0.027}}},
+    ]
+    f = loop_costs.cost_figures(rounds)
+    assert f["layers3_d2"]["3"]["cycle_cost"] == pytest.approx(2.0)  # of 2.0, 2.0, 2.7
+    assert f["layers3_d2"]["3"]["vs_last_d1"] == pytest.approx(1.25)  # of 1.25, 1.25, 1.5
+    assert f["last_d1"]["3"] == pytest.approx({"cycle_cost": 1.6, "vs_last_d1": 1.0})
+    with pytest.raises(SystemExit, match="--arms"):
+        loop_costs.main(["--arms", "layers3_d1"])
 
 
 def test_benchmark_reads_the_mtp_structure_of_its_run(tmp_path: Path):

@@ -91,7 +91,21 @@ def load(base: Path, model_name: str, config: str) -> Setup:
     return Setup(cfg, pol, mtp, vocab, layers, src.scfg, np.asarray(toks), np.asarray(lens), source)
 
 
-def _cycle(s: Setup, mtp: tuple, vocab, rows: int, spec, repeats: int) -> tuple[float, float]:
+def step_seconds(s: Setup, rows: int, repeats: int) -> tuple[float, float]:
+    """(seconds per plain decode step, compilation seconds) on the first `rows` rows of the
+    batch: one whole rollout with EOS off (every row runs to the token budget) minus its set-up,
+    over its steps."""
+    t, ln, key = s.toks[:rows], s.lens[:rows], jax.random.key(0)
+    noeos = dataclasses.replace(s.scfg, eos_ids=(), prompt_group=1)
+    plain, first = (*s.pol, t, ln, key, noeos, s.layers), []
+    full = _best(lambda: sampling.sample_jit(*plain), repeats, first)
+    init = _best(lambda: sampling._init_jit(*plain).out, repeats)
+    return (full - init) / noeos.max_new_tokens, max(0.0, first[0] - full)
+
+
+def cycle_seconds(
+    s: Setup, mtp: tuple, vocab, rows: int, spec, repeats: int
+) -> tuple[float, float]:
     """(seconds per verify cycle, compilation seconds) of the speculative loop with the MTP
     `mtp` (graphdef, params), draft vocabulary `vocab` and `spec` on the first `rows` rows of the
     RL batch: one whole rollout with EOS off minus its set-up, over its cycles."""
@@ -114,20 +128,13 @@ def loop_costs(s: Setup, repeats: int) -> dict:
     batch = s.toks.shape[0]
     sizes = compaction.bucket_sizes(batch, r.min_bucket)
     key = jax.random.key(0)
-    noeos = dataclasses.replace(s.scfg, eos_ids=(), prompt_group=1)
-    n = noeos.max_new_tokens
     out = {}
     for b in sizes:
-        t, ln = s.toks[:b], s.lens[:b]
         c = {}
-        plain, first = (*s.pol, t, ln, key, noeos, s.layers), []
-        full = _best(lambda plain=plain: sampling.sample_jit(*plain), repeats, first)
-        c["compile_0"] = max(0.0, first[0] - full)
-        init = _best(lambda plain=plain: sampling._init_jit(*plain).out, repeats)
-        c["step"] = (full - init) / n
+        c["step"], c["compile_0"] = step_seconds(s, b, repeats)
         for g in range(1, r.num_draft + 1):
             spec = speculative.SpecConfig(g, r.mode)
-            c[f"cycle_{g}"], c[f"compile_{g}"] = _cycle(s, s.mtp, s.vocab, b, spec, repeats)
+            c[f"cycle_{g}"], c[f"compile_{g}"] = cycle_seconds(s, s.mtp, s.vocab, b, spec, repeats)
         out[b] = c
     # the full batch's set-ups, with one prefill per GRPO group as the RL run does
     t, ln = s.toks, s.lens
@@ -263,8 +270,8 @@ def variant_costs(s: Setup, cfg: config_lib.RunConfig, sizes, repeats: int) -> d
     reference = speculative.SpecConfig(g, s.cfg.rollout.mode)
     mine = speculative.SpecConfig(g, cfg.rollout.mode, record=True)
     for b in sizes:
-        ref, _ = _cycle(s, s.mtp, s.vocab, b, reference, repeats)
-        cyc, comp = _cycle(s, (gd, params), vocab, b, mine, repeats)
+        ref, _ = cycle_seconds(s, s.mtp, s.vocab, b, reference, repeats)
+        cyc, comp = cycle_seconds(s, (gd, params), vocab, b, mine, repeats)
         out[str(b)] = {
             f"cycle_{g}": cyc,
             f"compile_{g}": comp,
