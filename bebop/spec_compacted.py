@@ -251,7 +251,7 @@ def loop_cost_timers(pol, layers, mtp, vocab, batch, context, gammas, iters=16) 
     `draft`). A caller that times them more than once (interleaved with other runs) compiles them
     once here."""
     cfg = model.graphdef_config(*pol)
-    cache = model.new_cache(cfg, batch, context + iters + max(gammas) + 2)
+    cache = model.new_cache(cfg, batch, context + iters + max(gammas, default=0) + 2)
     cache = cache.replace(lengths=jnp.full((batch,), context, jnp.int32))
 
     @functools.partial(jax.jit, static_argnums=3)

@@ -71,19 +71,33 @@ def test_speed_figures_are_medians_over_processes_at_the_best_gamma():
 
 
 def test_loop_costs_are_paired_per_round():
-    """A machine twice as slow in one round moves neither figure: each round's cycles are
-    divided by that round's plain step and by the reference arm's cycle of that round."""
-    rounds = [
-        {"step_s": 0.01, "cycle_s": {"last_d1": {3: 0.016}, "layers3_d2": {3: 0.020}}},
-        {"step_s": 0.02, "cycle_s": {"last_d1": {3: 0.032}, "layers3_d2": {3: 0.040}}},
-        {"step_s": 0.01, "cycle_s": {"last_d1": {3: 0.018}, "layers3_d2": {3: 0.027}}},
-    ]
+    """A machine twice as slow in one round moves no figure: each cycle is divided by the step
+    timed before it and by the reference arm's cycle of that round; the cost model's cycle is
+    a (γ+1)-token verify and γ of the arm's own draft steps, in 1-token verifies."""
+
+    def round_(scale, mine):
+        costs = {"verify_1": 0.01, "verify_4": 0.014, "draft": {"last_d1": 0.001, "d2": 0.002}}
+        return {
+            "step_s": {3: 0.01 * scale},
+            "cycle_s": {"last_d1": {3: 0.016 * scale}, "d2": {3: mine * scale}},
+            "costs_s": {
+                k: ({a: x * scale for a, x in v.items()} if isinstance(v, dict) else v * scale)
+                for k, v in costs.items()
+            },
+        }
+
+    rounds = [round_(1, 0.020), round_(2, 0.020), round_(1, 0.027)]
     f = loop_costs.cost_figures(rounds)
-    assert f["layers3_d2"]["3"]["cycle_cost"] == pytest.approx(2.0)  # of 2.0, 2.0, 2.7
-    assert f["layers3_d2"]["3"]["vs_last_d1"] == pytest.approx(1.25)  # of 1.25, 1.25, 1.5
-    assert f["last_d1"]["3"] == pytest.approx({"cycle_cost": 1.6, "vs_last_d1": 1.0})
+    assert f["d2"]["3"]["cycle_cost"] == pytest.approx(2.0)  # of 2.0, 2.0, 2.7
+    assert f["d2"]["3"]["vs_last_d1"] == pytest.approx(1.25)  # of 1.25, 1.25, 1.69
+    assert f["d2"]["3"]["model_cost"] == pytest.approx(1.4 + 3 * 0.2)
+    assert f["last_d1"]["3"] == pytest.approx(
+        {"cycle_cost": 1.6, "vs_last_d1": 1.0, "model_cost": 1.4 + 3 * 0.1}
+    )
     with pytest.raises(SystemExit, match="--arms"):
         loop_costs.main(["--arms", "layers3_d1"])
+    with pytest.raises(SystemExit, match="--trained"):
+        loop_costs.main(["--trained", "last_d2=/nonexistent"])
 
 
 def test_benchmark_reads_the_mtp_structure_of_its_run(tmp_path: Path):
