@@ -78,7 +78,7 @@ def test_loop_costs_are_paired_per_round():
     def round_(scale, mine):
         costs = {"verify_1": 0.01, "verify_4": 0.014, "draft": {"last_d1": 0.001, "d2": 0.002}}
         return {
-            "step_s": {3: 0.01 * scale},
+            "step_s": {3: 0.008 * scale},  # a sampler's step: not the 1-token verify loop
             "cycle_s": {"last_d1": {3: 0.016 * scale}, "d2": {3: mine * scale}},
             "costs_s": {
                 k: ({a: x * scale for a, x in v.items()} if isinstance(v, dict) else v * scale)
@@ -88,11 +88,11 @@ def test_loop_costs_are_paired_per_round():
 
     rounds = [round_(1, 0.020), round_(2, 0.020), round_(1, 0.027)]
     f = loop_costs.cost_figures(rounds)
-    assert f["d2"]["3"]["cycle_cost"] == pytest.approx(2.0)  # of 2.0, 2.0, 2.7
+    assert f["d2"]["3"]["cycle_cost"] == pytest.approx(2.5)  # of 2.5, 2.5, 3.4
     assert f["d2"]["3"]["vs_last_d1"] == pytest.approx(1.25)  # of 1.25, 1.25, 1.69
     assert f["d2"]["3"]["model_cost"] == pytest.approx(1.4 + 3 * 0.2)
     assert f["last_d1"]["3"] == pytest.approx(
-        {"cycle_cost": 1.6, "vs_last_d1": 1.0, "model_cost": 1.4 + 3 * 0.1}
+        {"cycle_cost": 2.0, "vs_last_d1": 1.0, "model_cost": 1.4 + 3 * 0.1}
     )
     with pytest.raises(SystemExit, match="--arms"):
         loop_costs.main(["--arms", "layers3_d1"])

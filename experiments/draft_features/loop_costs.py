@@ -38,6 +38,7 @@ import numpy as np
 
 from bebop import config as config_lib
 from bebop import model, policies, sampling, sharding, spec_compacted, speculative
+from bebop.config import resolve_features
 from benchmarks.common import load_models, sampling_config, shaped_mtp, trained_mtp_config
 from experiments import mtp_arms
 from experiments.draft_features.run import ARMS, GAMMAS, HERE
@@ -130,7 +131,13 @@ def main(argv=None):
         gd, params, v = shaped_mtp(shape, pol_cfg)
         heads[name] = ((gd, params), None if v is None else jnp.asarray(v))
     for name, ckpt in trained.items():
-        mtp_cfg = trained_mtp_config(ckpt, cfg.mtp)
+        mtp_cfg, want = trained_mtp_config(ckpt, cfg.mtp), config_lib.load(config, ARMS[name])[0]
+        got = (resolve_features(mtp_cfg.features, pol_cfg.num_layers), mtp_cfg.depth)
+        if got != (resolve_features(want.mtp.features, pol_cfg.num_layers), want.mtp.depth):
+            raise SystemExit(
+                f"--trained {name}={ckpt.parent.parent}: its MTP reads layers {got[0]} with "
+                f"depth {got[1]}, not arm {name}'s {tuple(want.mtp.features)} / {want.mtp.depth}"
+            )
         gd, params, v = policies.load_mtp(mtp_cfg, ckpt, pol_cfg, mesh)
         heads[f"{name}_trained"] = ((gd, params), None if v is None else jnp.asarray(v))
     context = int(toks.shape[1]) + args.new_tokens // 2
@@ -160,8 +167,8 @@ def main(argv=None):
     figs = cost_figures(rounds)
     for name, per in figs.items():
         row = "  ".join(
-            f"γ={g}: {f['cycle_cost']:.2f} steps (model {f['model_cost']:.2f}, "
-            f"{f['vs_last_d1']:.3f}x)"
+            f"γ={g}: {f['cycle_cost']:.2f} plain steps ({f['vs_last_d1']:.3f}x; parts "
+            f"{f['model_cost']:.2f} verifies)"
             for g, f in per.items()
         )
         print(f"{name:18s} {row}", flush=True)
