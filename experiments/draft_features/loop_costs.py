@@ -84,14 +84,18 @@ def main(argv=None):
     ap.add_argument("--rounds", type=int, default=3, help="paired rounds (medians over them)")
     ap.add_argument("--repeats", type=int, default=2, help="best of, per figure and round")
     ap.add_argument("--new_tokens", type=int, default=64)
+    ap.add_argument("--gammas", default=",".join(map(str, GAMMAS)), help="comma-separated")
     ap.add_argument("--out", default=str(HERE / "loop_costs.json"))
     ap.add_argument(
         "--trained", action="append", default=[], help="ARM=RUN: also time RUN's trained MTP"
     )
     args = ap.parse_args(argv)
     names = args.arms.split(",")
+    gammas = [int(g) for g in args.gammas.split(",")]
     if names[0] != "last_d1" or any(n not in ARMS for n in names):
         raise SystemExit(f"--arms: want 'last_d1' first, then any of {list(ARMS)}; got {names}")
+    if not all(g >= 1 for g in gammas):
+        raise SystemExit(f"--gammas: want drafted tokens >= 1, got {gammas}")
     if args.rounds < 1 or args.repeats < 1:
         raise SystemExit(f"--rounds and --repeats: want >= 1, got {args.rounds}, {args.repeats}")
     trained = {}  # ARM=RUN: that run's trained MTP, timed as `<ARM>_trained`
@@ -142,7 +146,7 @@ def main(argv=None):
         heads[f"{name}_trained"] = ((gd, params), None if v is None else jnp.asarray(v))
     context = int(toks.shape[1]) + args.new_tokens // 2
     timers = spec_compacted.loop_cost_timers(
-        pol, s.layers, *heads["last_d1"], 1, context, GAMMAS, COST_ITERS
+        pol, s.layers, *heads["last_d1"], 1, context, gammas, COST_ITERS
     )
     drafts = {  # each head's draft-step loop (the verify loops do not depend on the head)
         name: spec_compacted.loop_cost_timers(pol, s.layers, m, v, 1, context, (), COST_ITERS)[
@@ -157,13 +161,13 @@ def main(argv=None):
         )
         costs["draft"] = spec_compacted.time_costs(drafts, COST_ITERS)
         steps, cyc = {}, {name: {} for name in heads}
-        for g in GAMMAS:  # a plain step, then every head's cycle at γ: minutes apart at most
+        for g in gammas:  # a plain step, then every head's cycle at γ: minutes apart at most
             steps[g] = timing.step_seconds(s, 1, args.repeats)[0]
             for name, (m, v) in heads.items():
                 spec = speculative.SpecConfig(g, RULE)
                 cyc[name][g] = timing.cycle_seconds(s, m, v, 1, spec, args.repeats)[0]
         rounds.append({"step_s": steps, "cycle_s": cyc, "costs_s": costs})
-        print(f"round {r}: step {1e3 * steps[GAMMAS[0]]:.1f} ms", flush=True)
+        print(f"round {r}: step {1e3 * steps[gammas[0]]:.1f} ms", flush=True)
     figs = cost_figures(rounds)
     for name, per in figs.items():
         row = "  ".join(
