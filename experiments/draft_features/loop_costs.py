@@ -78,6 +78,29 @@ def cost_figures(rounds: list[dict], reference: str = "last_d1") -> dict:
     return out
 
 
+def load_heads(config: str, names, trained: dict, fallback, pol_cfg, mesh) -> dict:
+    """name -> ((graphdef, params), draft vocabulary or None): random weights of each arm's
+    `mtp` shape (`names`), and for each `trained` arm (ARM -> RUN/mtp/ckpt) that run's MTP as
+    `ARM_trained` (its run's `mtp` section, else `fallback`), refused unless it reads the arm's
+    layers with the arm's depth."""
+    shapes = {n: config_lib.load(config, ARMS[n])[0].mtp for n in {*names, *trained}}
+    heads = {}
+    for name in names:
+        gd, params, v = shaped_mtp(shapes[name], pol_cfg)
+        heads[name] = ((gd, params), None if v is None else jnp.asarray(v))
+    for name, ckpt in trained.items():
+        mtp_cfg, want = trained_mtp_config(ckpt, fallback), shapes[name]
+        got = (resolve_features(mtp_cfg.features, pol_cfg.num_layers), mtp_cfg.depth)
+        if got != (resolve_features(want.features, pol_cfg.num_layers), want.depth):
+            raise SystemExit(
+                f"--trained {name}={ckpt.parent.parent}: its MTP reads layers {got[0]} with "
+                f"depth {got[1]}, not arm {name}'s {tuple(want.features)} / {want.depth}"
+            )
+        gd, params, v = policies.load_mtp(mtp_cfg, ckpt, pol_cfg, mesh)
+        heads[f"{name}_trained"] = ((gd, params), None if v is None else jnp.asarray(v))
+    return heads
+
+
 def main(argv=None):
     ap = argparse.ArgumentParser()
     ap.add_argument("--arms", default=",".join(ARMS), help="comma-separated; last_d1 first")
@@ -128,22 +151,7 @@ def main(argv=None):
         np.asarray(lens),
         "random weights of each arm's mtp shape",
     )
-    pol_cfg = model.graphdef_config(*pol)
-    heads = {}
-    for name in names:
-        shape = config_lib.load(config, ARMS[name])[0].mtp
-        gd, params, v = shaped_mtp(shape, pol_cfg)
-        heads[name] = ((gd, params), None if v is None else jnp.asarray(v))
-    for name, ckpt in trained.items():
-        mtp_cfg, want = trained_mtp_config(ckpt, cfg.mtp), config_lib.load(config, ARMS[name])[0]
-        got = (resolve_features(mtp_cfg.features, pol_cfg.num_layers), mtp_cfg.depth)
-        if got != (resolve_features(want.mtp.features, pol_cfg.num_layers), want.mtp.depth):
-            raise SystemExit(
-                f"--trained {name}={ckpt.parent.parent}: its MTP reads layers {got[0]} with "
-                f"depth {got[1]}, not arm {name}'s {tuple(want.mtp.features)} / {want.mtp.depth}"
-            )
-        gd, params, v = policies.load_mtp(mtp_cfg, ckpt, pol_cfg, mesh)
-        heads[f"{name}_trained"] = ((gd, params), None if v is None else jnp.asarray(v))
+    heads = load_heads(config, names, trained, cfg.mtp, model.graphdef_config(*pol), mesh)
     context = int(toks.shape[1]) + args.new_tokens // 2
     timers = spec_compacted.loop_cost_timers(
         pol, s.layers, *heads["last_d1"], 1, context, gammas, COST_ITERS
