@@ -27,6 +27,24 @@ def test_kept_arm_is_reused_only_for_its_config(tmp_path: Path):
     assert mtp_arms.kept_arm(tmp_path, "smollm2", "missing", want) is None
 
 
+def test_study_figures_cover_every_kept_arm_in_arms_order(tmp_path: Path):
+    this_launch = {"last_d1": {"config": _want(), "heldout": "ran now"}}
+    for name, config in [
+        ("last_d2", _want("mtp.depth=2")),
+        ("layers3_d1", _want("mtp.features=(2, 15, 29)")),
+        ("layers3_d2", _want("mtp.depth=3")),  # another arm's config under this name: left out
+    ]:
+        kept = {"config": config, "heldout": f"kept {name}"}
+        (tmp_path / f"smollm2_{name}.json").write_text(json.dumps(kept))
+    (tmp_path / "smollm2_last_d1.json").write_text(json.dumps({"config": _want(), "heldout": 0}))
+    out = draft_features.with_kept_arms(this_launch, tmp_path, [])
+    assert list(out) == ["last_d1", "layers3_d1", "last_d2"]
+    assert out["last_d1"]["heldout"] == "ran now"  # this launch's figures win over a kept file
+    assert out["last_d2"]["heldout"] == "kept last_d2"
+    # arms kept for the recipe without an override are not those of a recipe with one
+    assert draft_features.with_kept_arms({}, tmp_path, ["mtp.steps=2000"]) == {}
+
+
 def test_a_key_added_since_counts_at_its_default():
     want = _want()
     older = json.loads(json.dumps(want))

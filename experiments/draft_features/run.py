@@ -29,7 +29,8 @@ Measured per arm:
 Arms land in `OUT/<arm>/` (`--out`, default `runs/exp_draft_features`; the base run is the
 `last_d1` arm when it ran every step); a finished arm's figures are kept in `arms/` here and
 reused by a later launch with the same arm config, so the study can run in parts. Run the speed
-measurements on an otherwise idle machine. Writes `results.json`, `accept_len.png` (held-out
+measurements on an otherwise idle machine. Writes `results.json` (every arm kept in `arms/`,
+not only this launch's), `accept_len.png` (held-out
 accept length vs training step, per arm) and `speedup_vs_gamma.png` here. Last line: one JSON
 object.
 """
@@ -181,6 +182,22 @@ def figures(kept: dict) -> list[str]:
     return ["accept_len.png"] + (["speedup_vs_gamma.png"] if names else [])
 
 
+def with_kept_arms(kept: dict, arms_dir: Path, extra) -> dict:
+    """`kept` (the arms of this launch) with every other arm kept in `arms_dir` for the same
+    recipe (`extra` config overrides), in `ARMS` order: the study's figures cover every finished
+    arm, whichever subset a launch ran."""
+    spec = mtp_arms.MODELS["smollm2"]
+    out = {}
+    for name, overrides in ARMS.items():
+        k = kept.get(name)
+        if k is None:
+            want = mtp_arms.wanted_config(spec, overrides, extra)
+            k = mtp_arms.kept_arm(arms_dir, "smollm2", name, want)
+        if k is not None:
+            out[name] = k
+    return out
+
+
 def main(argv=None):
     ap = argparse.ArgumentParser()
     ap.add_argument("--base", default="runs/mtp_smollm2", help="a run of the recipe")
@@ -228,6 +245,7 @@ def main(argv=None):
                 print(f"{name}: no weights at {ckpt} to time (delete its kept file to retrain)")
         kept[name] = k
         print(f"{name}: {arm_figures(k)}", flush=True)
+    kept = with_kept_arms(kept, ARMS_DIR, args.set)
     rows = {n: arm_figures(k) for n, k in kept.items()}
     ref = kept["last_d1"]["heldout"]["t0.7"]["per_prompt"]
     deltas = {
