@@ -88,6 +88,27 @@ def test_speed_figures_are_medians_over_processes_at_the_best_gamma():
     assert f["per_gamma"]["1"]["accept_len"] == pytest.approx(1.5)
 
 
+def test_table_rows_say_how_many_prompts_and_processes_each_figure_stands_on():
+    def kept(prompts, speed=None):
+        held = {
+            f"t{t}": {"rs_accept_len": 2.0 + t, "rs_accept": 0.5, "prompts": prompts}
+            for t in draft_features.TEMPERATURES
+        }
+        return {"heldout": held, **({"speed": speed} if speed else {})}
+
+    speed = draft_features.speed_figures([_rows([1.2, 1.5, 1.4, 1.1], draft=0.08)])
+    rows = {
+        "last_d1": draft_features.arm_figures(kept(768, speed)),
+        "last_d2": draft_features.arm_figures(kept(64)),  # a smaller evaluation, never timed
+    }
+    assert rows["last_d2"]["eval_prompts"] == 64
+    lines = draft_features.table(rows, {"last_d1": (0, 0, 768), "last_d2": (1.5, 0.5, 64)})
+    assert lines.splitlines()[2].split(" | ")[1:3] == ["768", "2.70"]
+    assert "1.50x (γ=2, 1)" in lines.splitlines()[2]
+    assert lines.splitlines()[3].split(" | ")[1] == "64"
+    assert "+1.5 ± 0.5 (64)" in lines.splitlines()[3] and lines.count("—") == 2
+
+
 def test_loop_costs_are_paired_per_round():
     """A machine twice as slow in one round moves no figure: each cycle is divided by the step
     timed before it and by the reference arm's cycle of that round; the cost model's cycle is

@@ -127,9 +127,11 @@ def speed_figures(runs: list[list[dict]]) -> dict:
 
 
 def arm_figures(kept: dict) -> dict:
-    """An arm's row of the results table from its kept figures."""
+    """An arm's row of the results table from its kept figures, with the number of held-out
+    prompts they stand on (`eval_prompts`: a kept arm keeps the count it was evaluated on)."""
     held = kept["heldout"]
     row = {f"accept_len_t{t}": held[f"t{t}"]["rs_accept_len"] for t in TEMPERATURES}
+    row["eval_prompts"] = held[f"t{TEMPERATURES[0]}"]["prompts"]
     row.update({f"rs_accept_t{t}": held[f"t{t}"]["rs_accept"] for t in TEMPERATURES})
     row.update(kept.get("speed", {}))
     return row
@@ -137,17 +139,21 @@ def arm_figures(kept: dict) -> dict:
 
 def table(rows: dict, deltas: dict) -> str:
     lines = [
-        "| arm | accept len T=0.7 | T=1.0 | Δ RS acc. T=0.7 vs last_d1 (points ± s.e.) | "
-        "draft cost (decode steps) | speedup b1 (best γ) |",
-        "|---|---|---|---|---|---|",
+        "| arm | held-out prompts | accept len T=0.7 | T=1.0 | Δ RS acc. T=0.7 vs last_d1 "
+        "(points ± s.e., prompts) | draft cost (decode steps) | speedup b1 (best γ, processes) |",
+        "|---|---|---|---|---|---|---|",
     ]
     for name, r in rows.items():
-        d, se, _ = deltas[name]
-        speed_ = f"{r['speedup_b1']:.2f}x (γ={r['best_gamma']})" if "speedup_b1" in r else "—"
+        d, se, n = deltas[name]
+        speed_ = (
+            f"{r['speedup_b1']:.2f}x (γ={r['best_gamma']}, {r['processes']})"
+            if "speedup_b1" in r
+            else "—"
+        )
         cost = f"{r['draft_cost']:.3f}" if "draft_cost" in r else "—"
         lines.append(
-            f"| {name} | {r['accept_len_t0.7']:.2f} | {r['accept_len_t1.0']:.2f} | "
-            f"{d:+.1f} ± {se:.1f} | {cost} | {speed_} |"
+            f"| {name} | {r['eval_prompts']} | {r['accept_len_t0.7']:.2f} | "
+            f"{r['accept_len_t1.0']:.2f} | {d:+.1f} ± {se:.1f} ({n}) | {cost} | {speed_} |"
         )
     return "\n".join(lines)
 
