@@ -30,9 +30,8 @@ Arms land in `OUT/<arm>/` (`--out`, default `runs/exp_draft_features`; the base 
 `last_d1` arm when it ran every step); a finished arm's figures are kept in `arms/` here and
 reused by a later launch with the same arm config, so the study can run in parts. Run the speed
 measurements on an otherwise idle machine. Writes `results.json` (every arm kept in `arms/`,
-not only this launch's), `accept_len.png` (held-out
-accept length vs training step, per arm) and `speedup_vs_gamma.png` here. Last line: one JSON
-object.
+not only this launch's), `accept_len.png` (held-out accept length vs training step, per arm)
+and `speedup_vs_gamma.png` here. Last line: one JSON object.
 """
 
 from __future__ import annotations
