@@ -104,7 +104,8 @@ def test_table_rows_say_how_many_prompts_and_processes_each_figure_stands_on():
     assert rows["last_d2"]["eval_prompts"] == 64
     lines = draft_features.table(rows, {"last_d1": (0, 0, 768), "last_d2": (1.5, 0.5, 64)})
     assert lines.splitlines()[2].split(" | ")[1:3] == ["768", "2.70"]
-    assert "1.50x (γ=2, 1)" in lines.splitlines()[2]
+    # the verify's cost where the speedup was read (γ = 2: 1 + 2/10), the host's bound on it
+    assert "1.50x (γ=2, 1; verify 1.20)" in lines.splitlines()[2]
     assert lines.splitlines()[3].split(" | ")[1] == "64"
     assert "+1.5 ± 0.5 (64)" in lines.splitlines()[3] and lines.count("—") == 2
 
