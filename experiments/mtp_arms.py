@@ -159,10 +159,16 @@ def train_arm(spec: dict, root: Path, base: Path, name: str, overrides, extra) -
     return wd
 
 
-def heldout(wd: Path, num_prompts: int, batch: int, temperature: float | None = None) -> dict:
-    """The final MTP of run `wd` on `num_prompts` held-out task prompts (RS, γ =
-    `mtp.eval_draft`, at `temperature`, default the run's rollout temperature): pooled figures
-    and per-prompt acceptance (for paired differences)."""
+def heldout(
+    wd: Path,
+    num_prompts: int,
+    batch: int,
+    temperature: float | None = None,
+    gamma: int | None = None,
+) -> dict:
+    """The final MTP of run `wd` on `num_prompts` held-out task prompts (RS, γ = `gamma`,
+    default `mtp.eval_draft`, at `temperature`, default the run's rollout temperature): pooled
+    figures and per-prompt acceptance (for paired differences)."""
     import jax
 
     from bebop import config as config_lib
@@ -180,7 +186,7 @@ def heldout(wd: Path, num_prompts: int, batch: int, temperature: float | None = 
     ids = prompts.prompt_ids(cfg.task, cfg.seed, policy.tok, num_prompts, "eval", "task")
     toks, lens = sampling.pad_prompts(ids, policy.tok.pad_id)
     scfg = rollout.sampling_config(cfg.rollout, policy.tok)
-    spec = speculative.SpecConfig(cfg.mtp.eval_draft, "rejection")
+    spec = speculative.SpecConfig(cfg.mtp.eval_draft if gamma is None else gamma, "rejection")
     acc, att, hist, overlap, drafted = [], [], [], [], []
     for i in range(0, len(ids), batch):
         key = jax.random.fold_in(jax.random.key(cfg.seed + 7), i)
@@ -217,6 +223,7 @@ def heldout(wd: Path, num_prompts: int, batch: int, temperature: float | None = 
         drafted_tokens=int(att.sum()),
         prompts=len(ids),
         temperature=cfg.rollout.temperature,
+        gamma=spec.num_draft,
         # Prompt i and its key depend on the batch size only; the padded width sets the shapes
         # (a wider set can change a row's floats, so two evaluations agree row for row only
         # where these match).

@@ -184,3 +184,25 @@ def test_decode_benchmark_restores_an_mtp_with_its_runs_structure(tmp_path: Path
     assert len(want) == len(have) and vocab is None
     for w, h in zip(want, have, strict=True):
         np.testing.assert_array_equal(np.asarray(w), np.asarray(h))
+
+
+def test_gamma_sweep_sets_each_accept_length_beside_the_geometric_prediction():
+    from experiments.draft_features import gamma_sweep
+
+    assert gamma_sweep.geometric_accept_len(0.5, 2) == pytest.approx(1.75)  # 1 + 1/2 + 1/4
+
+    def ev(g, alpha, length):
+        return {
+            "rs_accept": alpha,
+            "rs_accept_len": length,
+            **{f"rs_accept_{k}": alpha - 0.01 * k for k in range(1, g + 1)},
+        }
+
+    f = gamma_sweep.sweep_figures({3: ev(3, 0.6, 2.1), 5: ev(5, 0.55, 2.3), 8: ev(8, 0.5, 2.2)}, 3)
+    # predictions from γ = 3's pooled 0.6, not from each γ's own acceptance
+    assert f["per_gamma"]["5"]["predicted_accept_len"] == pytest.approx((1 - 0.6**6) / 0.4)
+    assert f["ceiling"] == pytest.approx(2.5) and f["ref_alpha"] == 0.6
+    assert f["best_gamma"] == 5 and f["best_accept_len"] == 2.3  # the measured best, not the last
+    assert f["per_gamma"]["8"]["rs_accept_by_position"][-1] == pytest.approx(0.42)
+    with pytest.raises(ValueError, match="γ = 4"):
+        gamma_sweep.sweep_figures({3: ev(3, 0.6, 2.1)}, 4)
