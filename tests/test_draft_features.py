@@ -206,3 +206,51 @@ def test_gamma_sweep_sets_each_accept_length_beside_the_geometric_prediction():
     assert f["per_gamma"]["8"]["rs_accept_by_position"][-1] == pytest.approx(0.42)
     with pytest.raises(ValueError, match="γ = 4"):
         gamma_sweep.sweep_figures({3: ev(3, 0.6, 2.1)}, 4)
+
+
+def test_gamma_sweep_reuses_its_own_evaluations_and_refuses_another_setups_file(
+    tmp_path, monkeypatch, capsys
+):
+    import hashlib
+    import sys
+
+    from experiments.draft_features import gamma_sweep
+
+    run = tmp_path / "run"
+    (run / "mtp").mkdir(parents=True)
+    (run / "mtp" / "summary.json").write_text('{"steps_run": 2100, "final_loss": 0.61}')
+    monkeypatch.setattr(gamma_sweep, "HERE", tmp_path)
+    calls = []
+
+    def heldout(wd, prompts, batch, t, gamma):  # acceptance 0.6, whatever γ
+        calls.append((t, gamma))
+        by_pos = {f"rs_accept_{k}": 0.6 for k in range(1, gamma + 1)}
+        return {"rs_accept": 0.6, "rs_accept_len": 1.5 + 0.1 * gamma, **by_pos}
+
+    monkeypatch.setattr(gamma_sweep.mtp_arms, "heldout", heldout)
+    argv = ["gamma_sweep", "--run", str(run), "--name", "a", "--gammas", "3,5"]
+    monkeypatch.setattr(sys, "argv", [*argv, "--temperatures", "0.7", "--prompts", "8"])
+    gamma_sweep.main()
+    assert calls == [(0.7, 3), (0.7, 5)]
+    last = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+    assert last["figures"]["t0.7"]["best_gamma"] == 5 and last["prompts"] == 8
+    digest = hashlib.sha256((run / "mtp" / "summary.json").read_bytes()).hexdigest()[:16]
+    assert last["mtp_summary_sha256"] == digest
+
+    # again with one more temperature: only its evaluations run
+    monkeypatch.setattr(sys, "argv", [*argv, "--temperatures", "0.7,1.0", "--prompts", "8"])
+    gamma_sweep.main()
+    assert calls[2:] == [(1.0, 3), (1.0, 5)]
+
+    # another prompt count, or a retrained head, would overwrite the file: refused, file kept
+    before = (tmp_path / "gamma_sweep_a.json").read_text()
+    monkeypatch.setattr(sys, "argv", [*argv, "--temperatures", "0.7", "--prompts", "16"])
+    with pytest.raises(SystemExit):
+        gamma_sweep.main()
+    assert "prompts differ" in capsys.readouterr().err
+    (run / "mtp" / "summary.json").write_text('{"steps_run": 2100, "final_loss": 0.55}')
+    monkeypatch.setattr(sys, "argv", [*argv, "--temperatures", "0.7", "--prompts", "8"])
+    with pytest.raises(SystemExit):
+        gamma_sweep.main()
+    assert "mtp_summary_sha256 differ" in capsys.readouterr().err
+    assert (tmp_path / "gamma_sweep_a.json").read_text() == before and len(calls) == 4

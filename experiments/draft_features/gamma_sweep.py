@@ -12,13 +12,15 @@ fall below it.
     python -m experiments.draft_features.gamma_sweep --run runs/exp_draft_features/last_d2 \\
         --name last_d2 [--gammas 3,5,6,8] [--temperatures 0.7,1.0] [--prompts 256]
 
-Writes `gamma_sweep_<name>.json` here (finished evaluations of the same run, steps and prompts
-are reused when it runs again); last line: one JSON object.
+Writes `gamma_sweep_<name>.json` here: finished evaluations of the same trained MTP, prompts and
+batch are reused when it runs again, and a file of another setup is refused rather than
+overwritten. Last line: one JSON object.
 """
 
 from __future__ import annotations
 
 import argparse
+import hashlib
 import json
 import time
 from pathlib import Path
@@ -73,24 +75,39 @@ def main():
     args = ap.parse_args()
     gammas = sorted({int(g) for g in args.gammas.split(",")})
     temps = [float(t) for t in args.temperatures.split(",")]
+    if gammas[0] < 1:
+        ap.error(f"--gammas {args.gammas}: every γ must be at least 1")
+    if min(temps) <= 0:
+        ap.error(f"--temperatures {args.temperatures}: RS needs temperatures above 0")
     if args.ref not in gammas:
         ap.error(f"--ref {args.ref} is not among --gammas {gammas}")
-    if not (args.run / "mtp" / "summary.json").exists():
+    summary = args.run / "mtp" / "summary.json"
+    if not summary.exists():
         ap.error(f"--run {args.run}: no trained MTP (mtp/summary.json) there")
     out_path = HERE / f"gamma_sweep_{args.name}.json"
-    steps = json.loads((args.run / "mtp" / "summary.json").read_text())["steps_run"]
-    same = {"run": str(args.run), "steps_run": steps, "prompts": args.prompts}
+    setup = {
+        "run": str(args.run),
+        # which training: a retrained head of the same step count has another summary
+        "mtp_summary_sha256": hashlib.sha256(summary.read_bytes()).hexdigest()[:16],
+        "steps_run": json.loads(summary.read_text())["steps_run"],
+        "prompts": args.prompts,
+        "batch": args.batch,
+    }
     saved = json.loads(out_path.read_text()) if out_path.exists() else {}
-    evals = saved.get("evals", {}) if saved.get("setup") == {**same, "batch": args.batch} else {}
+    if saved and saved.get("setup") != setup:
+        other = sorted(k for k in setup if saved.get("setup", {}).get(k) != setup[k])
+        ap.error(
+            f"{out_path} holds evaluations of another setup ({', '.join(other)} differ); "
+            "pass another --name"
+        )
+    evals = saved.get("evals", {})
     t0 = time.perf_counter()
     for t in temps:
         for g in gammas:
             key = f"t{t}_g{g}"
             if key not in evals:
                 evals[key] = mtp_arms.heldout(args.run, args.prompts, args.batch, t, gamma=g)
-                out_path.write_text(
-                    json.dumps({"setup": {**same, "batch": args.batch}, "evals": evals}) + "\n"
-                )
+                out_path.write_text(json.dumps({"setup": setup, "evals": evals}) + "\n")
             e = evals[key]
             print(f"T={t} γ={g}: accept len {e['rs_accept_len']:.3f}", flush=True)
     figures = {
@@ -99,14 +116,11 @@ def main():
     out = {
         "study": "draft_features_gamma_sweep",
         "arm": args.name,
-        **same,
-        "batch": args.batch,
+        **setup,
         "figures": figures,
-        "wall_s": time.perf_counter() - t0,
+        "wall_s": time.perf_counter() - t0,  # this invocation's: reused evaluations cost nothing
     }
-    out_path.write_text(
-        json.dumps({"setup": {**same, "batch": args.batch}, "evals": evals, **out}) + "\n"
-    )
+    out_path.write_text(json.dumps({"setup": setup, "evals": evals, **out}) + "\n")
     print(json.dumps(out))
 
 
