@@ -25,6 +25,7 @@ import json
 import time
 from pathlib import Path
 
+from bebop import io
 from experiments import mtp_arms
 
 HERE = Path(__file__).parent
@@ -89,11 +90,11 @@ def main():
         "run": str(args.run),
         # which training: a retrained head of the same step count has another summary
         "mtp_summary_sha256": hashlib.sha256(summary.read_bytes()).hexdigest()[:16],
-        "steps_run": json.loads(summary.read_text())["steps_run"],
+        "steps_run": io.read_json(summary)["steps_run"],
         "prompts": args.prompts,
         "batch": args.batch,
     }
-    saved = json.loads(out_path.read_text()) if out_path.exists() else {}
+    saved = io.read_json(out_path) if out_path.exists() else {}
     if saved and saved.get("setup") != setup:
         other = sorted(k for k in setup if saved.get("setup", {}).get(k) != setup[k])
         ap.error(
@@ -107,7 +108,8 @@ def main():
             key = f"t{t}_g{g}"
             if key not in evals:
                 evals[key] = mtp_arms.heldout(args.run, args.prompts, args.batch, t, gamma=g)
-                out_path.write_text(json.dumps({"setup": setup, "evals": evals}) + "\n")
+                # atomic: a sweep cut off mid-write keeps the evaluations that finished
+                io.write_json_atomic(out_path, {"setup": setup, "evals": evals}, indent=None)
             e = evals[key]
             print(f"T={t} γ={g}: accept len {e['rs_accept_len']:.3f}", flush=True)
     figures = {
@@ -120,7 +122,7 @@ def main():
         "figures": figures,
         "wall_s": time.perf_counter() - t0,  # this invocation's: reused evaluations cost nothing
     }
-    out_path.write_text(json.dumps({"setup": setup, "evals": evals, **out}) + "\n")
+    io.write_json_atomic(out_path, {"setup": setup, "evals": evals, **out}, indent=None)
     print(json.dumps(out))
 
 
