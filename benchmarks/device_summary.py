@@ -11,6 +11,7 @@ headline figures (`headline`); each step's whole JSON stays in OUT/<step>.json.
 from __future__ import annotations
 
 import json
+import os
 import re
 import sys
 from pathlib import Path
@@ -91,7 +92,9 @@ def summarize(out: Path, steps_tsv: str, setup: dict) -> dict:
 def main():
     out, tsv, setup = Path(sys.argv[1]), Path(sys.argv[2]), json.loads(sys.argv[3])
     res = summarize(out, tsv.read_text() if tsv.exists() else "", setup)
-    (out / "summary.json").write_text(json.dumps(res, indent=1) + "\n")
+    tmp = out / "summary.json.tmp"  # no bebop import: the summary is written even if it fails
+    tmp.write_text(json.dumps(res, indent=1) + "\n")
+    os.replace(tmp, out / "summary.json")
     print(json.dumps(res))
 
 

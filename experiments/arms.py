@@ -39,36 +39,41 @@ def launch(config: str, workdir: Path, overrides=()) -> dict:
 
 def run_child(cmd: list[str]) -> str:
     """Runs `cmd` in the repository, returns its stdout; a non-zero exit raises naming the
-    command, its exit status and the tail of its stderr. In the main thread a SIGTERM to this
-    process is passed on to the child and its end awaited, so that a launch stopped with the
-    study saves its checkpoint (`launch.py` exits 143 after saving) instead of losing its work
-    to a closed pipe; then this process's own SIGTERM handler runs (by default: it ends). Any
-    other exception while waiting (e.g. KeyboardInterrupt) sends the child a SIGTERM and waits
-    for it before it propagates."""
+    command, its exit status and the tail of its stderr. In the main thread a SIGTERM or SIGINT
+    to this process is passed on to the child as a SIGTERM and its end awaited, so that a launch
+    stopped with the study saves its checkpoint (`launch.py` exits 143 after saving) instead of
+    losing its work to a closed pipe; then the signal takes its course here (SIGTERM: this
+    process's own handler, by default it ends; SIGINT: KeyboardInterrupt). A signal that arrives
+    while the child is being started reaches it once it exists. Any other exception while
+    waiting sends the child a SIGTERM and waits for it before it propagates."""
     child: list[subprocess.Popen] = []
     stopped: list[int] = []
 
     def forward(signum, _frame):
         stopped.append(signum)
         for c in child:
-            c.send_signal(signum)
+            c.send_signal(signal.SIGTERM)
 
     main = threading.current_thread() is threading.main_thread()
-    main = main and signal.getsignal(signal.SIGTERM) is not signal.SIG_IGN
-    earlier = signal.signal(signal.SIGTERM, forward) if main else None
+    caught = [
+        s for s in (signal.SIGTERM, signal.SIGINT) if signal.getsignal(s) is not signal.SIG_IGN
+    ]
+    earlier = {s: signal.signal(s, forward) for s in caught} if main else {}
     try:
         child.append(subprocess.Popen(cmd, cwd=REPO, stdout=PIPE, stderr=PIPE, text=True))
-        if stopped:  # a SIGTERM before the child existed
+        if stopped:  # a signal before the child existed
             child[0].send_signal(signal.SIGTERM)
         out, err = child[0].communicate()
-    except BaseException:  # e.g. KeyboardInterrupt: the child too saves and ends first
+    except BaseException:  # the child too saves and ends first
         if child and child[0].poll() is None:
             child[0].send_signal(signal.SIGTERM)
             child[0].communicate()
         raise
     finally:
-        if main:
-            signal.signal(signal.SIGTERM, signal.SIG_DFL if earlier is None else earlier)
+        for s, handler in earlier.items():
+            signal.signal(s, signal.SIG_DFL if handler is None else handler)
+    if signal.SIGINT in stopped:
+        raise KeyboardInterrupt
     if stopped:
         signal.raise_signal(signal.SIGTERM)
     if child[0].returncode:
@@ -282,7 +287,7 @@ def run_arm(
     if not rerun and not done.exists() and (earlier / "rl" / "summary.json").exists():
         shutil.rmtree(wd, ignore_errors=True)  # an interrupted rerun: the earlier run back
         earlier.rename(wd)
-    saved = json.loads(record.read_text()) if record.exists() else {}
+    saved = io.read_json(record) if record.exists() else {}
     # a run directory of this launch (a record from before launches, or keys, were: as it is)
     same = saved.get("launch", run) == run and saved.get("key", key) == key
     if rerun:
@@ -316,14 +321,15 @@ def run_arm(
         else:
             print(f"  {arm.name}: resuming its interrupted run at step {at}", flush=True)
         if resume_every:  # an interrupted launch is recognised by this record
-            record.write_text(json.dumps({"launch": run, "key": key, "resumed_from": resumed}))
+            started = {"launch": run, "key": key, "resumed_from": resumed}
+            io.write_json_atomic(record, started, indent=None)
         t0 = time.perf_counter()
         launch(config, wd, run["overrides"])
         wall = None if resumed else time.perf_counter() - t0
         saved = {"wall_s": wall, "launch": run, "key": key}
         if resume_every:
             saved["resumed_from"] = resumed
-        record.write_text(json.dumps(saved) + "\n")
+        io.write_json_atomic(record, saved, indent=None)
         ran = f"resumed from steps {resumed}, no wall time" if resumed else f"{wall:.0f} s"
         print(f"  {arm.name}: {ran}", flush=True)
         shutil.rmtree(earlier, ignore_errors=True)

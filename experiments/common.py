@@ -12,6 +12,7 @@ from pathlib import Path
 
 import numpy as np
 
+from bebop.io import write_json_atomic
 from experiments.arms import Arm, ArmResult, base_run, run_arm
 
 KEPT = Path(__file__).resolve().parent / "kept_arms"
@@ -60,7 +61,8 @@ def step_times(res: ArmResult) -> tuple[np.ndarray, np.ndarray]:
 
 
 def write_json(path: Path, obj) -> None:
-    Path(path).write_text(json.dumps(obj, indent=1) + "\n")
+    """`obj` as JSON in `path`, replaced whole (a kill mid-write leaves the previous file)."""
+    write_json_atomic(path, obj, indent=1)
 
 
 # ------------------------------------------------------------------ study 2: MTP during RL

@@ -27,6 +27,7 @@ from pathlib import Path
 
 import numpy as np
 
+from bebop.io import read_json, write_json_atomic
 from experiments.arms import launch, link_tree
 
 MODELS = {
@@ -118,7 +119,7 @@ def keep_arm(arms_dir: Path, model: str, name: str, want: dict, wd: Path, held: 
     kept = {"config": want, "heldout": held, "metrics": recs, "steps": summary["steps"]}
     path = arms_dir / f"{model}_{name}.json"
     path.parent.mkdir(exist_ok=True)
-    path.write_text(json.dumps(kept) + "\n")
+    write_json_atomic(path, kept, indent=None)
     return kept
 
 
@@ -242,14 +243,14 @@ def cached_heldout(
     """`heldout`, saved as `cache` and reused while its prompts, batch, run, steps and
     temperature are the same."""
     steps_run = json.loads((wd / "mtp" / "summary.json").read_text())["steps_run"]
-    saved = json.loads(cache.read_text()) if cache.exists() else {}
+    saved = read_json(cache) if cache.exists() else {}
     keys = ("prompts", "eval_batch", "run", "steps_run")
     same = tuple(saved.get(k) for k in keys) == (num_prompts, batch, str(wd), steps_run)
     if same and (temperature is None or saved.get("temperature") == temperature):
         return saved
     saved = heldout(wd, num_prompts, batch, temperature)
     cache.parent.mkdir(parents=True, exist_ok=True)
-    cache.write_text(json.dumps(saved))
+    write_json_atomic(cache, saved, indent=None)
     return saved
 
 

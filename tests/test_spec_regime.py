@@ -391,6 +391,9 @@ def test_a_study_stopped_by_sigterm_lets_its_launch_save_first(tmp_path, own, si
         "for _ in range(300):\n    print('step', flush=True); time.sleep(0.1)\n"
     )
     run = f"from experiments import arms; arms.run_child({[sys.executable, '-c', child]!r})"
+    # as from a terminal: a shell's background job (this suite's too, e.g. under nohup) starts
+    # with SIGINT ignored, and a Python process inherits that instead of its KeyboardInterrupt
+    run = "import signal; signal.signal(signal.SIGINT, signal.default_int_handler)\n" + run
     study = subprocess.Popen(
         [sys.executable, "-c", own + run], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True
     )

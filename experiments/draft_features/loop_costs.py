@@ -39,6 +39,7 @@ import numpy as np
 from bebop import config as config_lib
 from bebop import model, policies, sampling, sharding, spec_compacted, speculative
 from bebop.config import resolve_features
+from bebop.io import write_json_atomic
 from benchmarks.common import load_models, sampling_config, shaped_mtp, trained_mtp_config
 from experiments import mtp_arms
 from experiments.draft_features.run import ARMS, GAMMAS, HERE
@@ -198,7 +199,7 @@ def main(argv=None):
         "raw": rounds,
         "wall_s": time.perf_counter() - t0,
     }
-    Path(args.out).write_text(json.dumps(out, indent=1) + "\n")
+    write_json_atomic(Path(args.out), out, indent=1)
     print(json.dumps(out))
 
 

@@ -45,6 +45,8 @@ import sys
 import time
 from pathlib import Path
 
+from bebop.io import write_json_atomic
+
 os.environ.setdefault("XLA_PYTHON_CLIENT_PREALLOCATE", "false")
 
 from experiments import mtp_arms
@@ -254,7 +256,7 @@ def main(argv=None):
                 k["speed"] = speed(
                     ckpt.parent.parent, args.processes, args.repeats, args.new_tokens
                 )
-                (ARMS_DIR / f"smollm2_{name}.json").write_text(json.dumps(k) + "\n")
+                write_json_atomic(ARMS_DIR / f"smollm2_{name}.json", k, indent=None)
             else:  # kept figures whose weights are gone: not trained again only to be timed
                 print(f"{name}: no weights at {ckpt} to time (delete its kept file to retrain)")
         kept[name] = k
@@ -275,7 +277,7 @@ def main(argv=None):
         "figures": figures(kept),
         "wall_s": time.perf_counter() - t0,
     }
-    (HERE / "results.json").write_text(json.dumps(out, indent=1) + "\n")
+    write_json_atomic(HERE / "results.json", out, indent=1)
     print(json.dumps(out))
 
 

@@ -45,6 +45,7 @@ from bebop import (
     speculative,
 )
 from bebop import config as config_lib
+from bebop.io import write_json_atomic
 from experiments.arms import launch, link_tree
 
 REPO = Path(__file__).resolve().parents[2]
@@ -274,7 +275,7 @@ def main():
         "paper_accept_len_vs_entropy_slope": PAPER_SLOPES,
         "wall_s": time.time() - t_start,
     }
-    (HERE / f"results_{name}.json").write_text(json.dumps(result, indent=1) + "\n")
+    write_json_atomic(HERE / f"results_{name}.json", result, indent=1)
     print(json.dumps(result))
 
 

@@ -21,6 +21,7 @@ import sys
 from pathlib import Path
 
 from bebop import plots
+from bebop.io import write_json_atomic
 
 REPO = Path(__file__).resolve().parents[2]
 HERE = Path(__file__).resolve().parent
@@ -94,7 +95,7 @@ def main():
         f"{setting}: wordmath held-out prompts",
     )
     summary = {a: {k: (v[1][-1] if v[1] else None) for k, v in c.items()} for a, c in arms.items()}
-    (HERE / "results.json").write_text(json.dumps({"final": summary, "curves": arms}, indent=1))
+    write_json_atomic(HERE / "results.json", {"final": summary, "curves": arms}, indent=1)
     print(json.dumps({"final": summary}))
 
 

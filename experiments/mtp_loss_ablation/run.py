@@ -42,6 +42,8 @@ from pathlib import Path
 
 import numpy as np
 
+from bebop.io import write_json_atomic
+
 # This process evaluates each arm (JAX) before the next arm's training launch starts: on a GPU it
 # must not hold three quarters of the memory that launch needs.
 os.environ.setdefault("XLA_PYTHON_CLIENT_PREALLOCATE", "false")
@@ -184,7 +186,7 @@ def main():
         "figures": figures,
         "rows": {k: {kk: v for kk, v in r.items() if kk != "per_prompt"} for k, r in rows.items()},
     }
-    (HERE / f"results_{args.model}.json").write_text(json.dumps(out, indent=1) + "\n")
+    write_json_atomic(HERE / f"results_{args.model}.json", out, indent=1)
     print(json.dumps(out))
 
 

@@ -19,6 +19,7 @@ from pathlib import Path
 import numpy as np
 
 from bebop import plots
+from bebop.io import write_json_atomic
 
 REPO = Path(__file__).resolve().parents[2]
 HERE = Path(__file__).resolve().parent
@@ -79,9 +80,8 @@ def main():
         label: [[float(a), float(b)] for a, b in zip(*c, strict=True)]
         for label, c in curves.items()
     }
-    (HERE / f"{args.prefix}results.json").write_text(
-        json.dumps({"workdir": args.run, "curves": out}, indent=1)
-    )
+    result = {"workdir": args.run, "curves": out}
+    write_json_atomic(HERE / f"{args.prefix}results.json", result, indent=1)
     print(json.dumps({label: c[-1] for label, c in out.items()}))
 
 

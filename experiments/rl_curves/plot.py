@@ -17,6 +17,7 @@ from pathlib import Path
 import numpy as np
 
 from bebop import plots
+from bebop.io import write_json_atomic
 from experiments.common import running_mean
 
 HERE = Path(__file__).resolve().parent
@@ -89,7 +90,7 @@ def main():
         steps=summary["steps"],
         eval_samples=n_eval,
     )
-    (HERE / f"{args.name}.json").write_text(json.dumps(figures, indent=1) + "\n")
+    write_json_atomic(HERE / f"{args.name}.json", figures, indent=1)
     print(json.dumps({"name": args.name, **figures}))
 
 

@@ -36,6 +36,7 @@ import numpy as np
 
 from bebop import analysis, model, plots, sampling, sharding, speculative
 from bebop import config as config_lib
+from bebop.io import write_json_atomic
 from benchmarks.common import batches, load_models, sampling_config, timed_pass
 
 HERE = Path(__file__).resolve().parent
@@ -107,7 +108,7 @@ def rejudge(path: Path) -> None:
         cols = [[x[k] for x in b] for k in ("margin", "measured", "se", "tokens")]
         judged[t] = analysis.judge_bins(*cols, c.get("dropped_tokens", 0))
         c.update(check_json(judged[t]))
-    path.write_text(json.dumps(res, indent=1) + "\n")
+    write_json_atomic(path, res, indent=1)
     del judged["pooled"]
     setting = (
         f"{res['model']}, γ = {res['gamma']}, batch {res['batch']}, {res['prompts']} task prompts"
@@ -279,7 +280,7 @@ def main():
         "decision_rule_pooled": check_json(pooled_check),
         "wall_s": time.time() - t_start,
     }
-    (HERE / f"results_{name}.json").write_text(json.dumps(result, indent=1) + "\n")
+    write_json_atomic(HERE / f"results_{name}.json", result, indent=1)
     print(json.dumps(result))
 
 
