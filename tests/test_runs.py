@@ -296,6 +296,27 @@ def test_an_empty_summary_is_set_aside_and_the_stage_reruns(tmp_path, caplog):
     assert (tmp_path / "sft/summary.json.damaged").exists()
 
 
+def test_a_json_write_cut_off_midway_leaves_the_previous_file_whole(tmp_path, monkeypatch):
+    """`bebop.io.write_json_atomic` (the writer of summaries and experiments' finished results)
+    writes a temporary file and renames it over the old one: a write that dies after half its
+    bytes leaves the previous contents, readable, and the next write replaces them."""
+    path = tmp_path / "results.json"
+    bio.write_json_atomic(path, {"arm": "before"})
+    real = type(path).write_text
+
+    def dies_midway(self, text, *a, **kw):
+        real(self, text[: len(text) // 2], *a, **kw)
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(type(path), "write_text", dies_midway)
+    with pytest.raises(KeyboardInterrupt):
+        bio.write_json_atomic(path, {"arm": "after", "pad": "x" * 100})
+    monkeypatch.undo()
+    assert bio.read_json(path) == {"arm": "before"}
+    bio.write_json_atomic(path, {"arm": "after"})
+    assert bio.read_json(path) == {"arm": "after"}
+
+
 def test_damaged_arrays_name_the_file_and_problem(tmp_path):
     tokens = tmp_path / "tokens.npy"
     np.save(tokens, np.arange(600, dtype=np.int32).reshape(20, 30))
