@@ -48,21 +48,21 @@ jax.config.update("jax_persistent_cache_min_entry_size_bytes", 0)
 
 
 # Seconds each heavy file took on 2 loaded cores (per-file sums of `--durations=0` of the full
-# suite, 2026-12-05). With `--dist loadfile` pytest-xdist hands whole files to the 2 workers in
+# suite, 2026-12-08). With `--dist loadfile` pytest-xdist hands whole files to the 2 workers in
 # collection order; its default reordering (by number of tests: `pyproject.toml` turns it off)
 # started the two slowest files by wall time, test_sft and test_multiprocess, among the last, so
 # one worker ran them alone at the end. Longest first is the classic schedule that keeps both
 # workers busy. Only the order matters here, not the exact figures.
 HEAVY_FILES_S = {
-    "test_speculative.py": 300,
-    "test_compaction.py": 204,
-    "test_rl_stage.py": 183,
-    "test_memory_knobs.py": 147,
-    "test_mtp_features.py": 146,
-    "test_multiprocess.py": 136,
-    "test_mtp_truncation.py": 129,
-    "test_sft.py": 123,
-    "test_mtp_train.py": 104,
+    "test_speculative.py": 415,
+    "test_mtp_features.py": 358,
+    "test_rl_stage.py": 284,
+    "test_mtp_truncation.py": 234,
+    "test_memory_knobs.py": 232,
+    "test_multiprocess.py": 228,
+    "test_compaction.py": 214,
+    "test_sft.py": 174,
+    "test_mtp_train.py": 132,
 }
 
 
