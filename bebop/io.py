@@ -87,7 +87,13 @@ def read_json(path):
 
 
 def write_json_atomic(path, obj, indent: int | None = 2) -> None:
+    """`obj` as JSON in `path`, written to a temporary file beside it and renamed over it: a
+    write cut off midway leaves the previous file, and no temporary one."""
     path = Path(path)
     tmp = path.with_name(path.name + ".tmp")
-    tmp.write_text(json.dumps(obj, indent=indent, sort_keys=False) + "\n")
-    os.replace(tmp, path)
+    try:
+        tmp.write_text(json.dumps(obj, indent=indent, sort_keys=False) + "\n")
+        os.replace(tmp, path)
+    except BaseException:
+        tmp.unlink(missing_ok=True)
+        raise

@@ -39,43 +39,45 @@ def launch(config: str, workdir: Path, overrides=()) -> dict:
 
 def run_child(cmd: list[str]) -> str:
     """Runs `cmd` in the repository, returns its stdout; a non-zero exit raises naming the
-    command, its exit status and the tail of its stderr. In the main thread a SIGTERM or SIGINT
-    to this process is passed on to the child as a SIGTERM and its end awaited, so that a launch
-    stopped with the study saves its checkpoint (`launch.py` exits 143 after saving) instead of
-    losing its work to a closed pipe; then the signal takes its course here (SIGTERM: this
-    process's own handler, by default it ends; SIGINT: KeyboardInterrupt). A signal that arrives
-    while the child is being started reaches it once it exists. Any other exception while
-    waiting sends the child a SIGTERM and waits for it before it propagates."""
+    command, its exit status and the tail of its stderr. In the main thread a SIGTERM, or a
+    SIGINT sent to this process (`kill -INT <pid>`), is passed on to the child as a SIGTERM and
+    its end awaited, so that a launch stopped with the study saves its checkpoint (`launch.py`
+    exits 143 after saving) instead of losing its work to a closed pipe; then the signals take
+    their course here in the order they came (SIGTERM: this process's own handler, by default it
+    ends; SIGINT: KeyboardInterrupt). A signal that arrives while the child is being started
+    reaches it once it exists. A second SIGINT stops waiting: KeyboardInterrupt at once, the
+    child left to itself. Any other exception while waiting sends the child a SIGTERM and waits
+    for it before it propagates."""
     child: list[subprocess.Popen] = []
     stopped: list[int] = []
 
     def forward(signum, _frame):
         stopped.append(signum)
+        if stopped.count(signal.SIGINT) > 1:
+            raise KeyboardInterrupt("a second SIGINT: not waiting for the launch to end")
         for c in child:
             c.send_signal(signal.SIGTERM)
 
     main = threading.current_thread() is threading.main_thread()
-    caught = [
-        s for s in (signal.SIGTERM, signal.SIGINT) if signal.getsignal(s) is not signal.SIG_IGN
-    ]
-    earlier = {s: signal.signal(s, forward) for s in caught} if main else {}
+    earlier = {}
     try:
+        for s in (signal.SIGTERM, signal.SIGINT) if main else ():
+            if signal.getsignal(s) is not signal.SIG_IGN:
+                earlier[s] = signal.signal(s, forward)
         child.append(subprocess.Popen(cmd, cwd=REPO, stdout=PIPE, stderr=PIPE, text=True))
         if stopped:  # a signal before the child existed
             child[0].send_signal(signal.SIGTERM)
         out, err = child[0].communicate()
-    except BaseException:  # the child too saves and ends first
-        if child and child[0].poll() is None:
+    except BaseException:  # the child too saves and ends first, unless a second SIGINT came
+        if child and child[0].poll() is None and stopped.count(signal.SIGINT) < 2:
             child[0].send_signal(signal.SIGTERM)
             child[0].communicate()
         raise
     finally:
         for s, handler in earlier.items():
             signal.signal(s, signal.SIG_DFL if handler is None else handler)
-    if signal.SIGINT in stopped:
-        raise KeyboardInterrupt
-    if stopped:
-        signal.raise_signal(signal.SIGTERM)
+    for s in dict.fromkeys(stopped):
+        signal.raise_signal(s)
     if child[0].returncode:
         code = child[0].returncode
         raise RuntimeError(f"{' '.join(cmd)} failed (exit {code}):\n{err[-3000:]}")

@@ -27,7 +27,7 @@ from pathlib import Path
 
 import numpy as np
 
-from bebop.io import read_json, write_json_atomic
+from bebop.io import DamagedFileError, read_json, write_json_atomic
 from experiments.arms import launch, link_tree
 
 MODELS = {
@@ -243,7 +243,10 @@ def cached_heldout(
     """`heldout`, saved as `cache` and reused while its prompts, batch, run, steps and
     temperature are the same."""
     steps_run = json.loads((wd / "mtp" / "summary.json").read_text())["steps_run"]
-    saved = read_json(cache) if cache.exists() else {}
+    try:
+        saved = read_json(cache) if cache.exists() else {}
+    except DamagedFileError:  # a cache: computed again
+        saved = {}
     keys = ("prompts", "eval_batch", "run", "steps_run")
     same = tuple(saved.get(k) for k in keys) == (num_prompts, batch, str(wd), steps_run)
     if same and (temperature is None or saved.get("temperature") == temperature):

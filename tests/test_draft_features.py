@@ -254,3 +254,28 @@ def test_gamma_sweep_reuses_its_own_evaluations_and_refuses_another_setups_file(
         gamma_sweep.main()
     assert "mtp_summary_sha256 differ" in capsys.readouterr().err
     assert (tmp_path / "gamma_sweep_a.json").read_text() == before and len(calls) == 4
+
+
+def test_a_held_out_cache_is_reused_for_its_setup_and_a_damaged_one_computed_again(
+    tmp_path: Path, monkeypatch
+):
+    """`mtp_arms.cached_heldout` returns the saved evaluation while the prompts, batch, run and
+    trained steps match, evaluates again when they do not, and treats a damaged cache file (cut
+    off, empty) as no cache instead of stopping the study."""
+    wd, cache = tmp_path / "run", tmp_path / "cache" / "heldout.json"
+    (wd / "mtp").mkdir(parents=True)
+    (wd / "mtp" / "summary.json").write_text(json.dumps({"steps_run": 2100}))
+    calls = []
+
+    def heldout(run, prompts, batch, temperature=None):
+        calls.append(prompts)
+        return {"prompts": prompts, "eval_batch": batch, "run": str(run), "steps_run": 2100}
+
+    monkeypatch.setattr(mtp_arms, "heldout", heldout)
+    first = mtp_arms.cached_heldout(wd, cache, 768, 64)
+    assert mtp_arms.cached_heldout(wd, cache, 768, 64) == first and calls == [768]
+    mtp_arms.cached_heldout(wd, cache, 192, 64)  # another setup: evaluated
+    assert calls == [768, 192]
+    cache.write_text(cache.read_text()[:10])  # cut off
+    assert mtp_arms.cached_heldout(wd, cache, 192, 64)["prompts"] == 192 and len(calls) == 3
+    assert json.loads(cache.read_text())["prompts"] == 192  # written whole again

@@ -299,7 +299,8 @@ def test_an_empty_summary_is_set_aside_and_the_stage_reruns(tmp_path, caplog):
 def test_a_json_write_cut_off_midway_leaves_the_previous_file_whole(tmp_path, monkeypatch):
     """`bebop.io.write_json_atomic` (the writer of summaries and experiments' finished results)
     writes a temporary file and renames it over the old one: a write that dies after half its
-    bytes leaves the previous contents, readable, and the next write replaces them."""
+    bytes leaves the previous contents, readable, and no temporary file; the next write replaces
+    them. (It patches `Path.write_text`, the writer's way of writing.)"""
     path = tmp_path / "results.json"
     bio.write_json_atomic(path, {"arm": "before"})
     real = type(path).write_text
@@ -313,6 +314,7 @@ def test_a_json_write_cut_off_midway_leaves_the_previous_file_whole(tmp_path, mo
         bio.write_json_atomic(path, {"arm": "after", "pad": "x" * 100})
     monkeypatch.undo()
     assert bio.read_json(path) == {"arm": "before"}
+    assert [f.name for f in tmp_path.iterdir()] == ["results.json"]  # no temporary file left
     bio.write_json_atomic(path, {"arm": "after"})
     assert bio.read_json(path) == {"arm": "after"}
 

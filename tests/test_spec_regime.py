@@ -375,8 +375,9 @@ def test_a_study_stopped_by_sigterm_lets_its_launch_save_first(tmp_path, own, si
     """experiments.arms.run_child passes a SIGTERM on to the launch it waits for and waits for
     its end: the child's SIGTERM handler (launch.py's: save a checkpoint, exit 143) runs, then
     the study's own. (Without it the study's handler runs at once and the child is never told.)
-    A SIGINT to the study alone (KeyboardInterrupt while it waits) also stops the child with a
-    SIGTERM first. A child that prints, sleeps up to 30 s, and on SIGTERM writes a file."""
+    A SIGINT to the study alone also stops the child with a SIGTERM first; the study's
+    KeyboardInterrupt comes after the child ended. A child that prints, sleeps up to 30 s, and on
+    SIGTERM writes a file."""
     import signal
     import subprocess
     import sys
@@ -391,8 +392,8 @@ def test_a_study_stopped_by_sigterm_lets_its_launch_save_first(tmp_path, own, si
         "for _ in range(300):\n    print('step', flush=True); time.sleep(0.1)\n"
     )
     run = f"from experiments import arms; arms.run_child({[sys.executable, '-c', child]!r})"
-    # as from a terminal: a shell's background job (this suite's too, e.g. under nohup) starts
-    # with SIGINT ignored, and a Python process inherits that instead of its KeyboardInterrupt
+    # as from a terminal: a background job of a non-interactive shell (a script's `cmd &`, e.g.
+    # this suite under `nohup ... &`) starts with SIGINT ignored, and Python keeps it ignored
     run = "import signal; signal.signal(signal.SIGINT, signal.default_int_handler)\n" + run
     study = subprocess.Popen(
         [sys.executable, "-c", own + run], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True
@@ -407,6 +408,48 @@ def test_a_study_stopped_by_sigterm_lets_its_launch_save_first(tmp_path, own, si
     assert saved.read_text() == "ok"  # the child's handler ran
     assert study.returncode == code and out == printed, err  # then the study's own
     assert time.monotonic() - t0 < 20  # not the child's full 30 s
+
+
+def test_a_second_sigint_stops_waiting_for_a_launch_that_does_not_end(tmp_path):
+    """A launch that ignores SIGTERM (stuck, say) never ends: the first SIGINT to the study is
+    passed on to it and the study waits; the second stops the wait, and the study ends by its
+    KeyboardInterrupt at once, well before the launch's 30 s."""
+    import os
+    import signal
+    import subprocess
+    import sys
+    import time
+
+    ready = tmp_path / "ready"
+    child = (
+        "import os, signal, time\n"
+        "signal.signal(signal.SIGTERM, signal.SIG_IGN)\n"
+        f"open({str(ready)!r}, 'w').write(str(os.getpid()))\n"
+        "for _ in range(300):\n    print('step', flush=True); time.sleep(0.1)\n"
+    )
+    run = (
+        "import signal; signal.signal(signal.SIGINT, signal.default_int_handler)\n"
+        f"from experiments import arms; arms.run_child({[sys.executable, '-c', child]!r})"
+    )
+    study = subprocess.Popen(
+        [sys.executable, "-c", run], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True
+    )
+    deadline = time.monotonic() + 60
+    while not (ready.exists() and ready.read_text()) and time.monotonic() < deadline:
+        time.sleep(0.1)
+    launch_pid = int(ready.read_text())
+    try:
+        t0 = time.monotonic()
+        study.send_signal(signal.SIGINT)
+        time.sleep(2)
+        assert study.poll() is None  # waiting for the launch to save
+        study.send_signal(signal.SIGINT)
+        _, err = study.communicate(timeout=20)
+        assert study.returncode == -signal.SIGINT and "KeyboardInterrupt" in err, err
+        assert time.monotonic() - t0 < 20
+    finally:
+        study.kill()
+        os.kill(launch_pid, signal.SIGKILL)
 
 
 @pytest.mark.parametrize("model", ["demo", "smollm2"])
