@@ -452,6 +452,37 @@ def test_a_second_sigint_stops_waiting_for_a_launch_that_does_not_end(tmp_path):
         os.kill(launch_pid, signal.SIGKILL)
 
 
+def test_a_launch_that_fails_while_saving_has_its_error_printed_by_the_stopped_study(tmp_path):
+    """A SIGTERM to a study is passed on to its launch; a launch that then fails while saving
+    (exit 1, a traceback on stderr) has that error's tail printed by the study before the study
+    ends by its own SIGTERM, instead of losing it with the pipe."""
+    import signal
+    import subprocess
+    import sys
+    import time
+
+    ready = tmp_path / "ready"
+    child = (
+        "import signal, sys, time\n"
+        "def fail(*a):\n    sys.stderr.write('disk full while saving step 7\\n'); sys.exit(1)\n"
+        "signal.signal(signal.SIGTERM, fail)\n"
+        f"open({str(ready)!r}, 'w').write('ok')\n"
+        "for _ in range(300):\n    time.sleep(0.1)\n"
+    )
+    run = f"from experiments import arms; arms.run_child({[sys.executable, '-c', child]!r})"
+    study = subprocess.Popen(
+        [sys.executable, "-c", run], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True
+    )
+    deadline = time.monotonic() + 60
+    while not ready.exists() and time.monotonic() < deadline:
+        time.sleep(0.1)
+    assert ready.exists(), "the child never started"
+    study.send_signal(signal.SIGTERM)
+    _, err = study.communicate(timeout=30)
+    assert study.returncode == -signal.SIGTERM
+    assert "failed while stopping (exit 1)" in err and "disk full while saving step 7" in err, err
+
+
 @pytest.mark.parametrize("model", ["demo", "smollm2"])
 def test_growmtp_from_random_init_starts_from_a_random_head_on_every_model(model):
     """The GrowMTP arm labelled "from random init" resolves to `mtp.init='random'` with no MTP
