@@ -45,10 +45,10 @@ def run_child(cmd: list[str]) -> str:
     exits 143 after saving) instead of losing its work to a closed pipe; then the signals take
     their course here in the order they came (SIGTERM: this process's own handler, by default it
     ends; SIGINT: KeyboardInterrupt). A signal that arrives while the child is being started
-    reaches it once it exists; a child that fails while stopping has its stderr's tail printed
-    first. A second SIGINT stops waiting: KeyboardInterrupt at once, the child left to itself.
-    Any other exception while waiting sends the child a SIGTERM and waits for it before it
-    propagates."""
+    reaches it once it exists; a child that does not end as a saved launch does (exit 143) has
+    its stderr's tail printed first. A second SIGINT stops waiting: KeyboardInterrupt at once,
+    the child left to itself. Any other exception while waiting sends the child a SIGTERM and
+    waits for it before it propagates."""
     child: list[subprocess.Popen] = []
     stopped: list[int] = []
 
@@ -78,9 +78,12 @@ def run_child(cmd: list[str]) -> str:
         for s, handler in earlier.items():
             signal.signal(s, signal.SIG_DFL if handler is None else handler)
     code = child[0].returncode
-    if stopped and code not in (0, 143, -signal.SIGTERM):  # it failed while stopping: say how
+    if stopped and code not in (0, 143, -signal.SIGTERM):  # it did not save and end: say how
+        tail = err[-3000:]
         print(
-            f"{' '.join(cmd)} failed while stopping (exit {code}):\n{err[-3000:]}", file=sys.stderr
+            f"{' '.join(cmd)} ended with exit {code} after the stop request:\n{tail}",
+            file=sys.stderr,
+            flush=True,
         )
     for s in dict.fromkeys(stopped):
         signal.raise_signal(s)

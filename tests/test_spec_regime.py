@@ -476,11 +476,15 @@ def test_a_launch_that_fails_while_saving_has_its_error_printed_by_the_stopped_s
     deadline = time.monotonic() + 60
     while not ready.exists() and time.monotonic() < deadline:
         time.sleep(0.1)
-    assert ready.exists(), "the child never started"
-    study.send_signal(signal.SIGTERM)
-    _, err = study.communicate(timeout=30)
-    assert study.returncode == -signal.SIGTERM
-    assert "failed while stopping (exit 1)" in err and "disk full while saving step 7" in err, err
+    try:
+        assert ready.exists(), "the child never started"
+        study.send_signal(signal.SIGTERM)
+        _, err = study.communicate(timeout=60)
+        assert study.returncode == -signal.SIGTERM, err
+        assert "ended with exit 1 after the stop request" in err, err
+        assert "disk full while saving step 7" in err, err
+    finally:
+        study.kill()
 
 
 @pytest.mark.parametrize("model", ["demo", "smollm2"])
