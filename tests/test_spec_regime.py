@@ -437,6 +437,9 @@ def test_a_second_sigint_stops_waiting_for_a_launch_that_does_not_end(tmp_path):
     deadline = time.monotonic() + 60
     while not (ready.exists() and ready.read_text()) and time.monotonic() < deadline:
         time.sleep(0.1)
+    if not (ready.exists() and ready.read_text()):
+        study.kill()
+        pytest.fail("the launch never started")
     launch_pid = int(ready.read_text())
     try:
         t0 = time.monotonic()
